@@ -1,0 +1,52 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+sys.path.insert(0, str(REPO))  # tests import train.py and benchmark.py
+# A small, fast CPU configuration of the tiny preset that learns within a few dozen steps.
+TINY = ["--model=tiny", "--compile=False", "--activation_checkpointing=False", "--batch_size=8",
+        "--global_batch_size=16", "--seq_length=128", "--lr=3e-3", "--min_lr=1e-4", "--warmup_steps=10",
+        "--log_every=1"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
+    """Runs script under torchrun with nproc CPU processes (or as a plain process when nproc is 0)."""
+    if nproc:
+        command = [str(TORCHRUN), "--nnodes=1", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+                   f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(REPO / script), *args]
+    else:
+        command = [sys.executable, str(REPO / script), *args]
+    full_env = {**os.environ, "MASTER_PORT": str(free_port()), **(env or {})}
+    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(log_dir):
+    """The last record of each logged step (a resumed run logs some steps again)."""
+    records = {}
+    for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        records[record["step"]] = record
+    return [records[step] for step in sorted(records)]
+
+
+@pytest.fixture
+def train():
+    def run(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
+        result = launch("train.py", [f"--log_dir={tmp_path}", *args], nproc=nproc, **kwargs)
+        if expect_ok:
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        return result
+    return run

@@ -1,0 +1,74 @@
+import math
+
+import pytest
+
+from conftest import TINY, read_metrics
+
+
+def test_two_process_fsdp_run_learns(train, tmp_path):
+    result = train(tmp_path, *TINY, "--max_steps=60")
+    assert "world_size=2" in result.stdout
+    assert "time to first step" in result.stdout
+    losses = [r["loss"] for r in read_metrics(tmp_path)]
+    assert len(losses) == 60
+    assert losses[0] == pytest.approx(math.log(512), abs=0.3)  # a fresh model guesses uniformly
+    assert losses[-1] < 0.5 * losses[0], losses
+    record = read_metrics(tmp_path)[-1]
+    assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(record)
+    assert record["mfu"] is None and record["tokens_per_s"] > 0  # no MFU without a GPU peak
+
+
+def test_one_process_with_accumulation_matches_two_processes(train, tmp_path):
+    """The global batch of a step is the same whatever the world size, so are the losses."""
+    two = tmp_path / "two"
+    one = tmp_path / "one"
+    train(two, *TINY, "--max_steps=5")
+    # A plain process (no torchrun), accumulating 2 micro-steps, with activation checkpointing on.
+    train(one, *TINY, "--max_steps=5", "--activation_checkpointing=True", nproc=0)
+    two_losses = [r["loss"] for r in read_metrics(two)]
+    one_losses = [r["loss"] for r in read_metrics(one)]
+    assert one_losses == pytest.approx(two_losses, rel=1e-5, abs=1e-5)
+    assert len(set(one_losses)) == 5  # the weights really changed between steps
+
+
+@pytest.mark.parametrize("sharding", ["grad_op", "hybrid"])
+def test_sharding_modes_compute_the_same_losses(train, tmp_path, sharding):
+    full = tmp_path / "full"
+    other = tmp_path / sharding
+    train(full, *TINY, "--max_steps=3")
+    train(other, *TINY, "--max_steps=3", f"--sharding={sharding}")
+    assert [r["loss"] for r in read_metrics(other)] == pytest.approx(
+        [r["loss"] for r in read_metrics(full)], rel=1e-5)
+
+
+def test_dry_run_of_default_model_is_about_4b(train, tmp_path):
+    result = train(tmp_path, "--dry_run", nproc=0)
+    count = int(result.stdout.split("parameters: ")[1].split()[0].replace(",", ""))
+    assert 3.8e9 <= count <= 4.3e9
+    assert "total with activation checkpointing" in result.stdout
+    assert "total without" in result.stdout
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--batch_sise=4"], {}, "unknown option --batch_sise; did you mean --batch_size?"),
+    (["--batch_size=four"], {}, "--batch_size expects an integer, got 'four'"),
+    (["--compile=maybe"], {}, "--compile expects true or false"),
+    (["--global_batch_size=12", "--batch_size=8"], {"WORLD_SIZE": "1"}, "--global_batch_size=12 is not divisible"),
+    (["--global_batch_size=16", "--batch_size=4"], {"WORLD_SIZE": "3"}, "batch_size x world size = 4 x 3"),
+    (["--model=gpt2", "--seq_length=2048"], {}, "--seq_length=2048 exceeds the model's 1024 positions"),
+    (["--n_embd=100", "--n_head=3"], {}, "--n_embd=100 is not divisible by --n_head=3"),
+    (["--sharding=zero3"], {}, "--sharding=zero3 is not one of: full, grad_op, hybrid"),
+    (["--model=gpt3"], {}, "--model=gpt3 is not a preset"),
+    (["batch_size=4"], {}, "options are written --name=value"),
+])
+def test_bad_input_is_one_clear_line(args, env, message, capsys, monkeypatch):
+    """Checked in-process: the error must come before any process group or model exists."""
+    import train as train_script
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main(args)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
