@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Benchmarks every node and writes logs/benchmark_<jobid>.yaml:   sbatch benchmark_only.sh [benchmark.py arguments]
+# Without SLURM, `bash benchmark_only.sh [arguments]` benchmarks this machine. Same launcher as slurm_submit.sh,
+# whose knobs (NPROC_PER_NODE, BENCHMARK_ARGS, CONTAINER_IMAGE, ...) apply here too; see docs/SLURM.md.
+#SBATCH --job-name=benchmark
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1           # one torchrun per node; it starts one process per GPU
+##SBATCH --gpus-per-node=8            # GPU partitions: delete one '#' (CPU-only partitions: leave it off)
+#SBATCH --exclusive
+#SBATCH --mem=0
+#SBATCH --time=00:30:00
+##SBATCH --partition=gpu
+#SBATCH --output=logs/%x_%j.out
+#SBATCH --error=logs/%x_%j.err
+#SBATCH --no-requeue
+set -euo pipefail
+# sbatch runs a spool copy of this file, so the repository is where the job was submitted from
+BENCHMARK_ONLY=1 SKIP_BENCHMARK=0 exec bash "${SLURM_SUBMIT_DIR:-$(dirname "${BASH_SOURCE[0]}")}/slurm_submit.sh" "$@"

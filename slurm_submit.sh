@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# Benchmarks every node, then trains:   sbatch slurm_submit.sh [train.py arguments]   (from the repo root)
+# Without SLURM, `bash slurm_submit.sh [train.py arguments]` runs the same phases on this machine: on a
+# machine without GPUs that is the quick start (tiny model, 2 CPU processes). docs/SLURM.md has the details.
+#
+# The job's shape, in one place. Command-line options override these: sbatch --nodes=4 slurm_submit.sh
+#SBATCH --job-name=fsdp-train
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1           # one torchrun per node; it starts one process per GPU
+##SBATCH --gpus-per-node=8            # GPU partitions: delete one '#' (CPU-only partitions: leave it off)
+#SBATCH --exclusive                   # whole nodes: every CPU for the data loaders ...
+#SBATCH --mem=0                       # ... and all of the memory
+#SBATCH --time=04:00:00
+##SBATCH --partition=gpu              # when the cluster's default partition is not the one you want
+#SBATCH --output=logs/%x_%j.out
+#SBATCH --error=logs/%x_%j.err
+#SBATCH --signal=B:USR1@300           # SIGUSR1 to this script ~5 min before the time limit: checkpoint, requeue
+#SBATCH --requeue
+#SBATCH --open-mode=append            # a requeued run appends to the same log files
+set -euo pipefail
+
+# Network: uncomment only what your cluster needs (NCCL picks working defaults on most).
+# export NCCL_SOCKET_IFNAME=ib0       # init hangs or uses a slow NIC: name the interface the nodes reach each other on
+# export NCCL_IB_HCA=mlx5_0,mlx5_1    # InfiniBand: limit NCCL to the HCAs that are cabled / allowed for jobs
+# export FI_PROVIDER=efa              # AWS EFA (with the aws-ofi-nccl plugin): use the EFA libfabric provider
+# export FI_EFA_USE_DEVICE_RDMA=1     # AWS EFA on p4d/p5: GPUDirect RDMA between GPUs and the EFA devices
+# export NCCL_DEBUG=INFO              # a collective hangs or is slow: log the transports NCCL chose
+
+# Knobs: environment variables, e.g. SKIP_BENCHMARK=1 sbatch slurm_submit.sh (sbatch passes the environment).
+SKIP_BENCHMARK=${SKIP_BENCHMARK:-0}                               # 1: go straight to training
+CONTINUE_ON_BENCHMARK_FAILURE=${CONTINUE_ON_BENCHMARK_FAILURE:-0} # 1: train even when a check failed
+BENCHMARK_ARGS=${BENCHMARK_ARGS:-}            # extra benchmark.py arguments, e.g. "--skip storage"
+NPROC_PER_NODE=${NPROC_PER_NODE:-2}           # processes per node on nodes without GPUs
+REQUIRE_GPUS=${REQUIRE_GPUS:-0}               # 1: fail instead of running on CPU when there is no GPU
+MAX_REQUEUES=${MAX_REQUEUES:-5}               # how many times the job may requeue itself at the time limit
+TORCHRUN_MAX_RESTARTS=${TORCHRUN_MAX_RESTARTS:-0} # >0: torchrun restarts failed workers inside the allocation
+CONTAINER_IMAGE=${CONTAINER_IMAGE:-}          # run in this image (pyxis/enroot, its python) instead of .venv
+VENV=${VENV:-.venv}
+BENCHMARK_ONLY=${BENCHMARK_ONLY:-0}           # set by benchmark_only.sh: arguments go to benchmark.py
+
+die() { echo "error: $*" >&2; exit 1; }
+
+# Time limit: SLURM sends SIGUSR1 (--signal) to this script only, possibly a minute early, so the traps are
+# set first (an untrapped SIGUSR1 kills this shell). torchrun dies of SIGUSR1, so the stop goes to the
+# training processes themselves; train.py checkpoints, every rank exits 75, and the job requeues.
+stop=""   # "requested" once SIGUSR1 came, "sent" once a training process has it
+trap 'stop=${stop:-requested}; echo "$(date +%T) SIGUSR1: time limit near, checkpointing to requeue"' USR1
+# at the time limit (or on scancel) SLURM signals every process; keep waiting so the checkpoint can finish
+trap 'echo "$(date +%T) SIGTERM: waiting for the training processes to exit"' TERM
+
+# sbatch runs a spool copy of this file, so the repository is where the job was submitted from
+cd "${SLURM_SUBMIT_DIR:-$(dirname "${BASH_SOURCE[0]}")}"
+[ -f train.py ] || die "no train.py in $PWD: submit from the repository root (cd <repo> && sbatch slurm_submit.sh)"
+
+seen=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+gpus=${SLURM_GPUS_ON_NODE:-$seen}
+[ "$gpus" -eq 0 ] || [ "$seen" -gt 0 ] || die "the job has $gpus GPUs per node but nvidia-smi sees none on $(hostname)"
+if [ "$gpus" -eq 0 ] && [ "$REQUIRE_GPUS" = 1 ]; then
+  [ -n "${SLURM_JOB_ID:-}" ] || die "no SLURM job and no GPU here (REQUIRE_GPUS=1): run sbatch slurm_submit.sh on a GPU cluster"
+  die "no GPU on $(hostname) (REQUIRE_GPUS=1): add --gpus-per-node to the #SBATCH lines or pick a GPU partition"
+fi
+
+bench_args=($BENCHMARK_ARGS)
+train_args=()
+if [ "$gpus" -gt 0 ]; then
+  nproc=$gpus
+else
+  # no GPU: a run small enough for CPUs; the script's arguments come last, so they override it
+  nproc=$NPROC_PER_NODE
+  bench_args=(--quick "${bench_args[@]}")
+  train_args=(--model=tiny --data=dummy --max_steps=40 --seq_length=128 --batch_size=2 --global_batch_size=16
+              --compile=False --activation_checkpointing=False --log_every=5 --log_dir=logs/quickstart)
+fi
+if [ "$BENCHMARK_ONLY" = 1 ]; then bench_args+=("$@"); else train_args+=("$@"); fi
+
+py=$PWD/$VENV/bin/python
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  [ "${#hosts[@]}" -eq "$SLURM_NNODES" ] \
+    || die "SLURM_NNODES=$SLURM_NNODES but the job has ${#hosts[@]} nodes (${hosts[*]}): torchrun would wait for nodes that never come"
+  srun_args=(--nodes="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE")
+  if [ -n "$CONTAINER_IMAGE" ]; then
+    py=python
+    srun_args+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$PWD:$PWD" --container-workdir="$PWD")
+  else
+    # once, here, not on every node: on a cluster the repository is on the shared filesystem
+    bash setup.sh \
+      || die "no usable virtual environment in $PWD/$VENV: run 'bash setup.sh' on the login node, then resubmit"
+  fi
+  # the port comes from the job id so that two jobs sharing a node do not collide
+  launcher=(srun "${srun_args[@]}" "$py" -m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc_per_node="$nproc"
+            --rdzv_backend=c10d --rdzv_endpoint="${hosts[0]}:$((20000 + SLURM_JOB_ID % 20000))"
+            --rdzv_id="$SLURM_JOB_ID" --max-restarts="$TORCHRUN_MAX_RESTARTS")
+  where="job $SLURM_JOB_ID on ${hosts[*]}"
+else
+  bash setup.sh
+  launcher=("$py" -m torch.distributed.run --standalone --nproc_per_node="$nproc" --max-restarts="$TORCHRUN_MAX_RESTARTS")
+  where="$(hostname) (no SLURM job)"
+fi
+restarts=${SLURM_RESTART_COUNT:-0}
+echo "$(date +%T) $where: SLURM_RESTART_COUNT=$restarts, $nproc processes per node ($([ "$gpus" -gt 0 ] && echo GPUs || echo CPU))"
+
+# SIGUSR1 for the local workers (children of this job's torchrun) that catch it: a worker that has not set
+# its handler yet would die of it. The batch shell runs on the first node; train.py tells the other ranks.
+signal_workers() {
+  local launchers pid mask sent=1
+  launchers=$(pgrep -d, -f -- "--rdzv_id=$SLURM_JOB_ID( |\$)") || return 1
+  for pid in $(pgrep -P "$launchers"); do
+    mask=$(awk '/^SigCgt/ {print $2}' "/proc/$pid/status" 2>/dev/null) || continue
+    (( 0x${mask:-0} & 0x200 )) && kill -USR1 "$pid" 2>/dev/null && sent=0
+  done
+  return $sent
+}
+
+# Runs one phase on every node. In the background because bash runs a trap only while waiting on a builtin;
+# the loop hands a pending stop to the workers as soon as one of them can catch it.
+launch() {
+  "${launcher[@]}" "$@" &
+  local pid=$!
+  while kill -0 "$pid" 2>/dev/null; do
+    if [ "$stop" = requested ] && signal_workers; then stop=sent; fi
+    sleep 1 & wait $! || true
+  done
+  wait "$pid"
+}
+
+requeue() {  # $1: the exit status to report when no requeue is left
+  [ "$restarts" -lt "$MAX_REQUEUES" ] \
+    || { echo "stopped for the time limit, but all MAX_REQUEUES=$MAX_REQUEUES requeues are used: not requeueing"; exit "$1"; }
+  echo "$(date +%T) requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) of at most $MAX_REQUEUES); it resumes from the checkpoint"
+  scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue failed (was the job submitted with --no-requeue?)"
+  exit 0
+}
+
+if [ "$restarts" -gt 0 ]; then
+  echo "requeued run: skipping the benchmarks (they passed in the first run)"
+elif [ "$SKIP_BENCHMARK" = 1 ]; then
+  echo "SKIP_BENCHMARK=1: skipping the benchmarks"
+else
+  echo "$(date +%T) phase 1: benchmark.py ${bench_args[*]}"
+  rc=0
+  launch benchmark.py "${bench_args[@]}" || rc=$?
+  [ "$BENCHMARK_ONLY" != 1 ] || exit $rc
+  if [ $rc -ne 0 ] && [ "$CONTINUE_ON_BENCHMARK_FAILURE" != 1 ]; then
+    echo "error: benchmark failed (exit $rc), not training: its failing checks are in the output (the job's .out log)" \
+         "(CONTINUE_ON_BENCHMARK_FAILURE=1 trains anyway)" >&2
+    exit $rc
+  fi
+  [ $rc -eq 0 ] || echo "benchmark failed (exit $rc); CONTINUE_ON_BENCHMARK_FAILURE=1, so training anyway"
+  # the time limit came during the benchmarks: the requeued run goes straight to training
+  [ -z "$stop" ] || requeue 1
+fi
+
+echo "$(date +%T) phase 2: train.py ${train_args[*]}"
+rc=0
+launch train.py "${train_args[@]}" || rc=$?
+echo "$(date +%T) training exited with status $rc"
+if [ -n "$stop" ] && [ $rc -ne 0 ]; then requeue $rc; fi
+if [ -z "${SLURM_JOB_ID:-}" ] && [ "$gpus" -eq 0 ] && [ $rc -eq 0 ]; then
+  echo "That was the CPU quick start. On a GPU cluster: sbatch slurm_submit.sh [train.py arguments] (docs/SLURM.md)."
+fi
+exit $rc
