@@ -14,5 +14,7 @@
 #SBATCH --error=logs/%x_%j.err
 #SBATCH --no-requeue
 set -euo pipefail
-# sbatch runs a spool copy of this file, so the repository is where the job was submitted from
-BENCHMARK_ONLY=1 SKIP_BENCHMARK=0 exec bash "${SLURM_SUBMIT_DIR:-$(dirname "${BASH_SOURCE[0]}")}/slurm_submit.sh" "$@"
+# sbatch runs a spool copy of this file, so in a job the repository is the working directory
+[ -n "${SLURM_JOB_ID:-}" ] || cd "$(dirname "${BASH_SOURCE[0]}")"
+[ -f slurm_submit.sh ] || { echo "error: no slurm_submit.sh in $PWD: submit from the repository root" >&2; exit 1; }
+BENCHMARK_ONLY=1 SKIP_BENCHMARK=0 exec bash slurm_submit.sh "$@"

@@ -48,8 +48,9 @@ trap 'stop=${stop:-requested}; echo "$(date +%T) SIGUSR1: time limit near, check
 # at the time limit (or on scancel) SLURM signals every process; keep waiting so the checkpoint can finish
 trap 'echo "$(date +%T) SIGTERM: waiting for the training processes to exit"' TERM
 
-# sbatch runs a spool copy of this file, so the repository is where the job was submitted from
-cd "${SLURM_SUBMIT_DIR:-$(dirname "${BASH_SOURCE[0]}")}"
+# sbatch runs a spool copy of this file, so in a job the repository is the working directory (where sbatch
+# ran, or its --chdir)
+[ -n "${SLURM_JOB_ID:-}" ] || cd "$(dirname "${BASH_SOURCE[0]}")"
 [ -f train.py ] || die "no train.py in $PWD: submit from the repository root (cd <repo> && sbatch slurm_submit.sh)"
 
 seen=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
