@@ -1,0 +1,882 @@
+#!/usr/bin/env python3
+"""Cluster check before a long training run: GPUs, collectives, inter-node links, storage, CPU, host memory.
+
+Launch it the way training is launched, one process per GPU on every node:
+
+    srun torchrun --nnodes=$SLURM_NNODES --nproc_per_node=8 --rdzv_backend=c10d \
+        --rdzv_endpoint=$MASTER_ADDR:29500 benchmark.py
+    python benchmark.py --quick                  # one process, no GPU needed
+
+Sections, chosen with --only / --skip: gpu, nccl (collectives; gloo on CPU), links (between
+nodes), storage (--storage_path), cpu, memory. GPU work runs on every local GPU at once; per-node
+work (storage, cpu, memory) runs on local rank 0 while the node's other ranks wait, so nothing
+competes with it. Rank 0 writes <report_dir>/benchmark_<jobid>.yaml (the cluster), each node's
+local rank 0 writes <report_dir>/benchmark_<jobid>_rank<R>.yaml (that node), and rank 0 prints
+the checks, failures first. Exit status: 0 all checks pass, 1 a check failed, 2 bad input.
+
+Every figure is timed after warm-up, as the median of repeats (CUDA events on a GPU), with bytes
+and FLOPs counted as STREAM and nccl-tests count them; GB = 1e9 bytes. What each figure means and
+how to read it: docs/BENCHMARK_FEATURES.md. Importing this module only defines things, so that
+train.py can use `datasheet()` for MFU.
+"""
+import argparse
+import difflib
+import mmap
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+GB = 1e9
+MiB = 1 << 20
+SECTIONS = ("gpu", "nccl", "links", "storage", "cpu", "memory")
+
+# Vendor datasheet peaks per GPU, DENSE (the datasheets print tensor figures with 2:4 sparsity;
+# these are half of those): TFLOPS, and HBM bandwidth in GB/s. Matched by substring of
+# torch.cuda.get_device_name() in this order, so the more specific names come first
+# ("GH200" contains "H200", "H100 PCIe" contains "H100"). Sources: docs/BENCHMARK_FEATURES.md.
+DATASHEET = {
+    "GB200": {"fp32": 80.0, "tf32": 1250.0, "bf16": 2500.0, "fp8": 5000.0, "memory_GBps": 8000.0},
+    "B200": {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp8": 4500.0, "memory_GBps": 7700.0},
+    "GH200 144G": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9, "memory_GBps": 4900.0},
+    "GH200": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9, "memory_GBps": 4000.0},
+    "H200 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5, "memory_GBps": 4800.0},
+    "H200": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9, "memory_GBps": 4800.0},
+    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5, "memory_GBps": 3900.0},
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp8": 1513.0, "memory_GBps": 2000.0},
+    "H100": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9, "memory_GBps": 3350.0},
+    "A100-SXM4-80GB": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None, "memory_GBps": 2039.0},
+    "A100 80GB PCIe": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None, "memory_GBps": 1935.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None, "memory_GBps": 1555.0},
+}
+
+# Verdict thresholds. A member more than STRAGGLER_TOLERANCE below the median of its peers fails;
+# a GPU below DATASHEET_MIN_PERCENT of its datasheet peak fails for the figures training lives on
+# (a healthy H100 reaches ~70% of bf16 peak at 8192 and ~85% of HBM bandwidth in a copy).
+STRAGGLER_TOLERANCE = 0.10
+DATASHEET_MIN_PERCENT = 50.0
+DATASHEET_CHECKS = {"matmul_bf16_TFLOPS": "bf16", "copy_GB/s": "memory_GBps"}
+# Keys ending in one of these are rates (higher is better) that are compared across peers.
+RATE_UNITS = ("GB/s", "MB/s", "TFLOPS", "GFLOPS", "IOPS", "ops/s", "Melem/s")
+
+# Sizes per mode; the CLI overrides the first five. Default: under 60 s per 8-GPU node.
+MODES = {
+    "default": dict(matmul_size=8192, nccl_max_MiB=None, storage_MiB=1024, storage_workers=8,
+                    memory_MiB=256, gpu_copy_MiB=1024, gpu_repeats=10, cpu_matmul_size=2048,
+                    zlib_MiB=4, sort_Melem=8, cpu_units_per_core=8, repeats=5,
+                    random_read_seconds=1.0, collective_warmup=5, collective_iters=20,
+                    pingpong_iters=50),
+    "quick": dict(matmul_size=4096, nccl_max_MiB=None, storage_MiB=64, storage_workers=4,
+                  memory_MiB=64, gpu_copy_MiB=256, gpu_repeats=5, cpu_matmul_size=1024,
+                  zlib_MiB=1, sort_Melem=1, cpu_units_per_core=2, repeats=3,
+                  random_read_seconds=0.2, collective_warmup=1, collective_iters=3,
+                  pingpong_iters=10),
+}
+# Largest collective message by (device, quick): gloo on CPU is ~100x slower than NCCL on NVLink.
+NCCL_MAX_MiB = {("cuda", False): 256, ("cuda", True): 16, ("cpu", False): 16, ("cpu", True): 1}
+NCCL_MIN_BYTES = {"cuda": 1 * MiB, "cpu": 64 * 1024}
+PINGPONG_BYTES = {"cuda": 64 * MiB, "cpu": 16 * MiB}
+LATENCY_BYTES = 8
+STORAGE_BLOCK = 1 * MiB  # fio's sequential block size in the accuracy comparison
+RANDOM_BLOCK = 4096
+CACHE_MULTIPLE = 4  # STREAM's rule: each array at least 4x the last-level cache
+CPU_WORK_ITERATIONS = 200_000  # one pure-Python work unit, ~10 ms on a current core
+
+
+def datasheet(device_name: str) -> dict | None:
+    """Dense peaks for a GPU name ({"fp32", "tf32", "bf16", "fp8": TFLOPS or None, "memory_GBps"}), None if unknown."""
+    for name_part, peaks in DATASHEET.items():
+        if name_part.lower() in device_name.lower():
+            return dict(peaks)
+    return None
+
+
+# nccl-tests' bus-bandwidth factors (doc/PERFORMANCE.md there): the fraction of the data that
+# crosses the slowest link, so busbw is comparable to link speed whatever the rank count.
+BUSBW_FACTORS = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+STREAM_ARRAYS_MOVED = {"copy": 2, "scale": 2, "add": 3, "triad": 3}
+
+
+def algbw_GBps(size_bytes: float, seconds: float) -> float:
+    return size_bytes / seconds / GB
+
+
+def busbw_GBps(op: str, algbw: float, n_ranks: int) -> float:
+    return algbw * BUSBW_FACTORS[op](n_ranks)
+
+
+def stream_bytes(kernel: str, n_elements: int, itemsize: int = 8) -> int:
+    """Bytes STREAM counts for one pass of `kernel`: each array read or written once, no write-allocate."""
+    return STREAM_ARRAYS_MOVED[kernel] * itemsize * n_elements
+
+
+def matmul_tflops(n: int, seconds: float) -> float:
+    return 2 * n**3 / seconds / 1e12
+
+
+def flag_stragglers(values: dict, tolerance: float = STRAGGLER_TOLERANCE) -> list:
+    """Names whose value is more than `tolerance` below the median of all values (higher is better)."""
+    if len(values) < 2:
+        return []
+    floor = (1 - tolerance) * statistics.median(values.values())
+    return [name for name, value in values.items() if value < floor]
+
+
+def median_seconds(fn, device=torch.device("cpu"), warmup=1, repeats=5, inner=1) -> float:
+    """Median over `repeats` of the seconds one call of `fn` takes (each repeat times `inner`
+    back-to-back calls), after `warmup` untimed calls; on a GPU timed by CUDA events on its stream."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / inner)
+        else:
+            started = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            times.append((time.perf_counter() - started) / inner)
+    return statistics.median(times)
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: torch.device
+    cpu_group: object  # gloo group: waiting ranks block in it instead of spinning on a GPU sync
+
+    @property
+    def nodes(self) -> int:
+        return self.size // self.local_size
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.local_size
+
+    @property
+    def is_node_leader(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def leaders(self) -> list:
+        return list(range(0, self.size, self.local_size))
+
+    def barrier(self):
+        dist.barrier(group=self.cpu_group)
+
+
+# ---------------------------------------------------------------- GPU
+SMI_FIELDS = {
+    "uuid": None, "clocks.sm": "sm_clock_MHz", "clocks.max.sm": "sm_clock_max_MHz",
+    "clocks.mem": "memory_clock_MHz", "temperature.gpu": "temperature_C", "power.draw": "power_W",
+    "ecc.errors.corrected.volatile.total": "ecc_corrected_errors",
+    "ecc.errors.uncorrected.volatile.total": "ecc_uncorrected_errors",
+    "pcie.link.gen.current": "pcie_gen", "pcie.link.width.current": "pcie_width",
+    "pcie.link.width.max": "pcie_width_max",
+}
+
+
+def nvidia_smi(uuid: str) -> dict:
+    """This GPU's clocks, temperature, ECC counts and PCIe link from one nvidia-smi call, if there is one."""
+    command = ["nvidia-smi", f"--query-gpu={','.join(SMI_FIELDS)}", "--format=csv,noheader,nounits"]
+    try:
+        lines = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as error:
+        return {"nvidia_smi": f"not available ({type(error).__name__})"}
+    for line in lines.splitlines():
+        values = [value.strip() for value in line.split(",")]
+        if values[0].removeprefix("GPU-") == uuid.removeprefix("GPU-"):
+            return {key: as_number(value) for key, value in zip(list(SMI_FIELDS.values())[1:], values[1:])}
+    return {"nvidia_smi": f"GPU {uuid} not listed"}
+
+
+def as_number(text: str):
+    try:
+        value = float(text)
+    except ValueError:
+        return None  # "[N/A]", "[Not Supported]"
+    return int(value) if value.is_integer() else value
+
+
+def matmul_call(kind: str, n: int, device):
+    """A closure multiplying two random n x n matrices in `kind` precision (inputs made once)."""
+    if kind == "fp8":
+        if torch.cuda.get_device_capability(device) < (8, 9):
+            raise NotImplementedError("fp8 needs compute capability 8.9 or later")
+        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # _scaled_mm wants column-major
+        scale = torch.tensor(1.0, device=device)
+        return lambda: torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
+    dtype = torch.bfloat16 if kind == "bf16" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    return lambda: torch.mm(a, b, out=out)
+
+
+def gpu_section(world: World, cfg: dict) -> dict:
+    if world.device.type != "cuda":
+        return {"skipped": "no GPU present"}
+    device = world.device
+    props = torch.cuda.get_device_properties(device)
+    result = {"name": props.name, "memory_GB": round(props.total_memory / GB, 1),
+              "capability": f"{props.major}.{props.minor}"}
+    numel = cfg["gpu_copy_MiB"] * MiB // 4
+    source, target = torch.randn(numel, device=device), torch.empty(numel, device=device)
+    seconds = median_seconds(lambda: target.copy_(source), device, warmup=3, repeats=cfg["gpu_repeats"])
+    result["copy_GB/s"] = stream_bytes("copy", numel, itemsize=4) / seconds / GB
+    del source, target
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for kind in ("fp32", "tf32", "bf16", "fp8"):
+            torch.backends.cuda.matmul.allow_tf32 = kind == "tf32"
+            try:
+                seconds = median_seconds(matmul_call(kind, cfg["matmul_size"], device), device,
+                                         warmup=3, repeats=cfg["gpu_repeats"])
+                result[f"matmul_{kind}_TFLOPS"] = matmul_tflops(cfg["matmul_size"], seconds)
+            except (NotImplementedError, RuntimeError) as error:
+                result[f"matmul_{kind}_TFLOPS"] = None
+                result[f"matmul_{kind}_note"] = f"not supported: {str(error).splitlines()[0]}"
+            torch.cuda.empty_cache()  # the closure's matrices are gone; give their memory back
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    peaks = datasheet(props.name) or {}
+    for key, peak_key in {"copy_GB/s": "memory_GBps", **{f"matmul_{k}_TFLOPS": k for k in ("fp32", "tf32", "bf16", "fp8")}}.items():
+        if peaks.get(peak_key) and result.get(key):
+            result[f"{key.rsplit('_', 1)[0]}_percent_of_datasheet"] = 100 * result[key] / peaks[peak_key]
+    result.update(nvidia_smi(str(props.uuid)))  # after the matmuls, so clocks and temperature are under load
+    return result
+
+
+# ---------------------------------------------------------------- collectives
+# torch 2.13 renames the tensor collectives; 2.11 (the GPU image) only has the old names.
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def collective_call(op: str, size_bytes: int, n_ranks: int, device, group):
+    """A closure running `op` on buffers sized as nccl-tests sizes them: all-gather's size is its
+    output, reduce-scatter's its input, the others' the one buffer each rank sends."""
+    numel = size_bytes // 4
+    full = torch.randn(numel, device=device)
+    shard = torch.empty(numel // n_ranks, device=device)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "all_gather":
+        return lambda: ALL_GATHER(full, shard, group=group)
+    if op == "reduce_scatter":
+        return lambda: REDUCE_SCATTER(shard, full, group=group)
+    if op == "all_to_all":
+        received = torch.empty_like(full)
+        return lambda: dist.all_to_all_single(received, full, group=group)
+    return lambda: dist.broadcast(full, src=0, group=group)
+
+
+def collectives_sweep(world: World, cfg: dict, group, n_ranks: int) -> dict:
+    """algbw/busbw per op and size; each rank times its own calls, times are averaged over ranks."""
+    min_bytes = NCCL_MIN_BYTES[world.device.type]
+    sizes = []
+    while min_bytes * 4 ** len(sizes) <= cfg["nccl_max_MiB"] * MiB:
+        sizes.append(min_bytes * 4 ** len(sizes))
+    local_seconds, measured, results = [], [], {}
+    for op in BUSBW_FACTORS:
+        for size in sizes:
+            size = size // (4 * n_ranks) * 4 * n_ranks  # whole float32 shards per rank
+            call = collective_call(op, size, n_ranks, world.device, group)
+            dist.barrier(group=group)
+            try:
+                local_seconds.append(median_seconds(call, world.device, warmup=cfg["collective_warmup"],
+                                                    repeats=1, inner=cfg["collective_iters"]))
+            except (RuntimeError, NotImplementedError) as error:  # every rank's backend raises alike
+                results[op] = {"skipped": f"not supported by {dist.get_backend(group)}: {str(error).splitlines()[0]}"}
+                break
+            measured.append((op, size))
+    times = torch.tensor(local_seconds, dtype=torch.float64, device=world.device)
+    slowest = times.clone()
+    dist.all_reduce(times, group=group)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    for (op, size), total, worst in zip(measured, times.tolist(), slowest.tolist()):
+        seconds = total / n_ranks
+        algbw = algbw_GBps(size, seconds)
+        results.setdefault(op, []).append({
+            "size_bytes": size, "time_us": seconds * 1e6, "time_max_us": worst * 1e6,
+            "algbw_GB/s": algbw, "busbw_GB/s": busbw_GBps(op, algbw, n_ranks)})
+    return {"backend": dist.get_backend(group), "ranks": n_ranks, **results}
+
+
+def nccl_section(world: World, cfg: dict) -> dict:
+    if world.size < 2:
+        return {"skipped": "single rank: nothing to communicate"}
+    return collectives_sweep(world, cfg, None, world.size)
+
+
+# ---------------------------------------------------------------- links between nodes
+def pairing_rounds(n_nodes: int) -> list:
+    """Rounds of disjoint node pairs that together cover every pair once (the circle method)."""
+    nodes = list(range(n_nodes)) + ([None] if n_nodes % 2 else [])
+    rounds = []
+    for _ in range(len(nodes) - 1):
+        half = len(nodes) // 2
+        rounds.append([(min(a, b), max(a, b)) for a, b in zip(nodes[:half], reversed(nodes[half:]))
+                       if a is not None and b is not None])
+        nodes = [nodes[0], nodes[-1], *nodes[1:-1]]
+    return rounds
+
+
+def one_way_seconds(peer: int, sends_first: bool, size_bytes: int, world: World, iters: int) -> float:
+    """Half the round trip of a `size_bytes` message bounced between this rank and `peer`."""
+    buffer = torch.zeros(max(size_bytes // 4, 1), device=world.device)
+
+    def round_trip():
+        if sends_first:
+            dist.send(buffer, peer)
+            dist.recv(buffer, peer)
+        else:
+            dist.recv(buffer, peer)
+            dist.send(buffer, peer)
+    return median_seconds(round_trip, world.device, warmup=3, repeats=1, inner=iters) / 2
+
+
+def links_section(world: World, cfg: dict) -> dict:
+    if world.nodes < 2:
+        return {"skipped": "single node"}
+    leaders_group = dist.new_group(world.leaders)  # every rank must take part in creating it
+    if not world.is_node_leader:
+        return {}
+    pairs = {}
+    for pairs_this_round in pairing_rounds(world.nodes):
+        dist.barrier(group=leaders_group)
+        for first, second in pairs_this_round:
+            if world.node_rank in (first, second):
+                peer = (second if world.node_rank == first else first) * world.local_size
+                sends = world.node_rank == first
+                latency = one_way_seconds(peer, sends, LATENCY_BYTES, world, cfg["pingpong_iters"])
+                big = PINGPONG_BYTES[world.device.type] // (8 if cfg["quick"] else 1)
+                bandwidth = big / one_way_seconds(peer, sends, big, world, max(cfg["pingpong_iters"] // 10, 2)) / GB
+                pairs[f"node{first}-node{second}"] = {"latency_us": latency * 1e6, "size_bytes": big, "bandwidth_GB/s": bandwidth}
+    return {"pairs": pairs, "one_rank_per_node": collectives_sweep(world, cfg, leaders_group, world.nodes)}
+
+
+# ---------------------------------------------------------------- storage
+def aligned_buffer(nbytes: int, random_bytes: bool = False) -> mmap.mmap:
+    """Page-aligned memory, as O_DIRECT requires; random bytes so compressing filesystems can't cheat."""
+    buffer = mmap.mmap(-1, nbytes)
+    if random_bytes:
+        buffer[:] = np.random.default_rng().bytes(nbytes)
+    return buffer
+
+
+def direct_io_works(folder: Path) -> bool:
+    probe = folder / "direct_io_probe"
+    try:
+        descriptor = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            os.pwrite(descriptor, aligned_buffer(RANDOM_BLOCK), 0)
+        finally:
+            os.close(descriptor)
+        return True
+    except (OSError, AttributeError):  # EINVAL on tmpfs and some FUSE mounts; no O_DIRECT off Linux
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+def open_uncached(path: Path, flags: int, direct: bool) -> int:
+    """Open for I/O that bypasses the page cache: O_DIRECT, else drop the file's cached pages."""
+    descriptor = os.open(path, flags | (os.O_DIRECT if direct else 0), 0o600)
+    if not direct:
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+    return descriptor
+
+
+def write_file(path: Path, nbytes: int, direct: bool) -> float:
+    """Seconds to write `nbytes` in 1 MiB blocks and fsync them (so the data is on storage)."""
+    buffer = aligned_buffer(STORAGE_BLOCK, random_bytes=True)
+    descriptor = open_uncached(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
+    try:
+        started = time.perf_counter()
+        for offset in range(0, nbytes, STORAGE_BLOCK):
+            if os.pwrite(descriptor, buffer, offset) != STORAGE_BLOCK:
+                raise OSError(f"short write to {path}")
+        os.fsync(descriptor)
+        elapsed = time.perf_counter() - started
+        if not direct:  # the written pages stay cached: drop them so the read phase reads storage
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        return elapsed
+    finally:
+        os.close(descriptor)
+
+
+def read_file(path: Path, nbytes: int, direct: bool) -> float:
+    buffer = aligned_buffer(STORAGE_BLOCK)
+    descriptor = open_uncached(path, os.O_RDONLY, direct)
+    try:
+        started = time.perf_counter()
+        for offset in range(0, nbytes, STORAGE_BLOCK):
+            os.preadv(descriptor, [buffer], offset)
+        return time.perf_counter() - started
+    finally:
+        os.close(descriptor)
+
+
+def random_reads(path: Path, nbytes: int, direct: bool, seconds: float) -> float:
+    """4 KiB reads at random offsets, one at a time (fio's psync, iodepth 1), each offset read once
+    so that without O_DIRECT no read is served by a page an earlier read brought in. (reads, seconds)"""
+    buffer = aligned_buffer(RANDOM_BLOCK)
+    offsets = np.random.default_rng().permutation(nbytes // RANDOM_BLOCK) * RANDOM_BLOCK
+    descriptor = open_uncached(path, os.O_RDONLY, direct)
+    try:
+        if not direct:
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead
+        started = time.perf_counter()
+        for count, offset in enumerate(offsets.tolist(), start=1):
+            os.preadv(descriptor, [buffer], offset)
+            if count % 64 == 0 and time.perf_counter() - started > seconds:
+                break
+        return count, time.perf_counter() - started
+    finally:
+        os.close(descriptor)
+
+
+def parallel(paths: list, work) -> float:
+    """Seconds for all `paths` to be processed by `work(path)` at once, one thread each
+    (os.pwrite/preadv release the GIL, so threads overlap their I/O as processes would)."""
+    with ThreadPoolExecutor(len(paths)) as pool:
+        started = time.perf_counter()
+        list(pool.map(work, paths))
+        return time.perf_counter() - started
+
+
+def storage_section(world: World, cfg: dict) -> dict:
+    """Phases start together on every node (a barrier each), so parallel write/read are also the
+    storage's aggregate when the path is shared; the node's other ranks only take the barriers."""
+    nbytes, workers = cfg["storage_MiB"] * MiB, cfg["storage_workers"]
+    shard = nbytes // workers // STORAGE_BLOCK * STORAGE_BLOCK
+    folder = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=cfg["storage_path"])) if world.is_node_leader else None
+    result = {}
+    try:
+        direct = world.is_node_leader and direct_io_works(folder)
+        single, shards = (folder / "sequential", [folder / f"parallel_{i}" for i in range(workers)]) if folder else (None, [])
+        phases = {  # name: (unit, what it moves, seconds it takes)
+            "sequential_write": ("GB/s", lambda: (nbytes / GB, write_file(single, nbytes, direct))),
+            "sequential_read": ("GB/s", lambda: (nbytes / GB, read_file(single, nbytes, direct))),
+            "random_read_4k": ("IOPS", lambda: random_reads(single, nbytes, direct, cfg["random_read_seconds"])),
+            "parallel_write": ("GB/s", lambda: (shard * workers / GB, parallel(shards, lambda p: write_file(p, shard, direct)))),
+            "parallel_read": ("GB/s", lambda: (shard * workers / GB, parallel(shards, lambda p: read_file(p, shard, direct)))),
+        }
+        seconds = {}
+        for phase, (unit, run) in phases.items():
+            world.barrier()
+            if world.is_node_leader and "error" not in result:
+                try:
+                    amount, seconds[phase] = run()
+                    result[f"{phase}_{unit}"] = amount / seconds[phase]
+                except OSError as error:  # a full or failing disk is a finding, not a crash
+                    result["error"] = f"{phase}: {error}"
+        if world.is_node_leader:
+            result.update({"method": "O_DIRECT" if direct else "fsync + posix_fadvise(DONTNEED) (no O_DIRECT here)",
+                           "path": str(Path(cfg["storage_path"]).resolve()), "file_MiB": cfg["storage_MiB"],
+                           "workers": workers, "parallel_bytes": shard * workers, "seconds": seconds})
+    finally:
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+    return result
+
+
+def storage_aggregate(nodes: list) -> dict:
+    """All nodes wrote (read) at once from a common barrier: total bytes over the slowest node's
+    time is what the filesystem delivered; summing across nodes is right here, unlike for links."""
+    aggregate = {"nodes": len(nodes)}
+    for phase in ("parallel_write", "parallel_read"):
+        if nodes and all(phase in node.get("seconds", {}) for node in nodes):
+            aggregate[f"{phase}_GB/s"] = sum(n["parallel_bytes"] for n in nodes) / max(n["seconds"][phase] for n in nodes) / GB
+    return aggregate
+
+
+# ---------------------------------------------------------------- CPU
+# Fresh interpreters (-I: no site-packages, ~20 ms to start), not a fork: forking a process that
+# holds gloo/NCCL/OpenMP threads can deadlock the child on a lock one of those threads held.
+# Each says "ready", waits for "go" so that all work at once, and prints its own working time.
+CPU_WORKER = f"""
+import sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+started = time.perf_counter()
+for _ in range(int(sys.argv[1])):
+    sum(i * i % 7 for i in range({CPU_WORK_ITERATIONS}))
+print(time.perf_counter() - started)
+"""
+
+
+def pure_python_seconds(processes: int, units: int) -> float:
+    """Seconds for `processes` interpreters each doing `units` work units at the same time."""
+    workers = [subprocess.Popen([sys.executable, "-I", "-c", CPU_WORKER, str(units)], text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(processes)]
+    for worker in workers:
+        worker.stdout.readline()
+    for worker in workers:
+        worker.stdin.write("go\n")
+        worker.stdin.flush()
+    return max(float(worker.communicate()[0]) for worker in workers)
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0))  # what SLURM's cgroup gives this job, not the whole machine
+
+
+def cpu_section(cfg: dict) -> dict:
+    cores, units = usable_cores(), cfg["cpu_units_per_core"]
+    single = statistics.median(pure_python_seconds(1, units) for _ in range(cfg["repeats"]))
+    every = statistics.median(pure_python_seconds(cores, units) for _ in range(cfg["repeats"]))
+    result = {"cores": cores, "single_core_ops/s": units / single, "all_core_ops/s": cores * units / every}
+    result["per_core_ops/s"] = result["all_core_ops/s"] / cores
+    # torch rather than numpy: numpy's BLAS thread count is fixed at import (torchrun sets
+    # OMP_NUM_THREADS=1), while torch.set_num_threads gives the matmul every core of the node.
+    threads, n = torch.get_num_threads(), cfg["cpu_matmul_size"]
+    torch.set_num_threads(cores)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        result["matmul_fp32_GFLOPS"] = matmul_tflops(n, median_seconds(lambda: torch.mm(a, b), repeats=cfg["repeats"])) * 1e3
+    finally:
+        torch.set_num_threads(threads)
+    # 16-symbol random bytes compress to ~57%, like tokenized data; zlib.compress releases the GIL
+    data = np.random.default_rng(0).integers(0, 16, cfg["zlib_MiB"] * MiB, dtype=np.uint8).tobytes()
+    result["zlib_single_core_MB/s"] = len(data) / median_seconds(lambda: zlib.compress(data), repeats=cfg["repeats"]) / 1e6
+    with ThreadPoolExecutor(cores) as pool:
+        seconds = median_seconds(lambda: list(pool.map(zlib.compress, [data] * cores)), repeats=cfg["repeats"])
+    result["zlib_all_cores_MB/s"] = len(data) * cores / seconds / 1e6
+    values = np.random.default_rng(0).random(cfg["sort_Melem"] * 1_000_000)
+    result["sort_float64_Melem/s"] = cfg["sort_Melem"] / median_seconds(lambda: np.sort(values), repeats=cfg["repeats"])
+    return result
+
+
+# ---------------------------------------------------------------- host memory
+def l3_cache_bytes() -> int:
+    """Total last-level cache over all sockets, each shared cache counted once; 0 where /sys won't say."""
+    caches = {}
+    for index in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            if (index / "level").read_text().strip() == "3":
+                size = (index / "size").read_text().strip()
+                caches[(index / "shared_cpu_list").read_text().strip()] = int(size.rstrip("KMG")) * {"K": 1 << 10, "M": MiB, "G": 1 << 30}.get(size[-1], 1)
+        except (OSError, ValueError):
+            continue
+    return sum(caches.values())
+
+
+def available_memory_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_section(cfg: dict) -> dict:
+    """STREAM copy (b = a) and triad (a = b + s*c) over float64 arrays, bytes counted as STREAM
+    does. torch runs the kernels: one pass each (numpy's triad would be two passes, moving 5 arrays
+    for STREAM's 3) and its thread count can be set to 1 or to every core."""
+    n = cfg["memory_MiB"] * MiB // 8
+    cores, threads = usable_cores(), torch.get_num_threads()
+    result = {"array_MiB": cfg["memory_MiB"], "arrays": 3, "l3_cache_MiB": l3_cache_bytes() / MiB, "cores": cores}
+    try:
+        torch.set_num_threads(cores)
+        a, b, c = (torch.from_numpy(np.empty(n)) for _ in range(3))
+        for array, value in ((a, 1.0), (b, 2.0), (c, 0.5)):
+            array.fill_(value)  # first touch by all threads: pages land on the socket that will use them
+        for label, thread_count in (("1thread", 1), ("all_cores", cores)):
+            torch.set_num_threads(thread_count)
+            copy = median_seconds(lambda: b.copy_(a), repeats=cfg["repeats"])
+            triad = median_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), repeats=cfg["repeats"])
+            result[f"copy_{label}_GB/s"] = stream_bytes("copy", n) / copy / GB
+            result[f"triad_{label}_GB/s"] = stream_bytes("triad", n) / triad / GB
+        del a, b, c
+    finally:
+        torch.set_num_threads(threads)
+    page_elements = mmap.PAGESIZE // 8
+
+    def allocate_and_touch():
+        fresh = np.empty(n)  # large allocations are fresh mmap pages, returned on release
+        fresh[::page_elements] = 1.0
+    result["allocation_GB/s"] = n * 8 / median_seconds(allocate_and_touch, repeats=cfg["repeats"]) / GB
+    return result
+
+
+# ---------------------------------------------------------------- verdicts and report
+def check(status: str, name: str, value: str, reference: str = "") -> dict:
+    return {"status": status, "check": name, "value": value, "reference": reference}
+
+
+def straggler_checks(kind: str, members: dict) -> list:
+    """One check per rate figure: every member (GPU, node, node pair) against the median of all."""
+    figures = sorted({key for figures in members.values() for key, value in figures.items()
+                      if key.endswith(RATE_UNITS) and isinstance(value, (int, float))})
+    if len(members) < 2:
+        return [check("skip", f"{kind} stragglers", f"only one {kind}: nothing to compare")] if figures else []
+    checks = []
+    for figure in figures:
+        values = {name: m[figure] for name, m in members.items() if isinstance(m.get(figure), (int, float))}
+        flagged, median = flag_stragglers(values), statistics.median(values.values())
+        slowest = min(values, key=values.get)
+        checks.append(check("fail" if flagged else "pass", f"{kind} {figure}",
+                            f"slowest {slowest}: {values[slowest]:.4g}" + (f"; flagged {', '.join(flagged)}" if flagged else ""),
+                            f"median {median:.4g}, flag below {(1 - STRAGGLER_TOLERANCE) * median:.4g}"))
+    return checks
+
+
+def verdict_checks(report: dict) -> list:
+    checks = [check("skip", section, report[section]["skipped"]) for section in SECTIONS
+              if isinstance(report[section], dict) and "skipped" in report[section]]
+    checks += [check("fail", f"{section} on {name}", figures["error"]) for section in ("gpu", "storage", "cpu", "memory")
+               for name, figures in report[section].items() if isinstance(figures, dict) and "error" in figures]
+    gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
+    checks += straggler_checks("gpu", gpus)
+    for figure, peak_key in DATASHEET_CHECKS.items():
+        known = {name: (g[figure], datasheet(g["name"])[peak_key]) for name, g in gpus.items()
+                 if datasheet(g["name"]) and g.get(figure)}
+        unknown = sorted({g["name"] for name, g in gpus.items() if name not in known})
+        if unknown:
+            checks.append(check("skip", f"gpu {figure} vs datasheet", f"no datasheet entry for {', '.join(unknown)}"))
+        if known:
+            percent = {name: 100 * value / peak for name, (value, peak) in known.items()}
+            low = [name for name, p in percent.items() if p < DATASHEET_MIN_PERCENT]
+            worst = min(percent, key=percent.get)
+            checks.append(check("fail" if low else "pass", f"gpu {figure} vs datasheet",
+                                f"lowest {worst}: {percent[worst]:.0f}% of {known[worst][1]:g}" + (f"; flagged {', '.join(low)}" if low else ""),
+                                f">= {DATASHEET_MIN_PERCENT:.0f}% of datasheet"))
+    ecc = {name: g["ecc_uncorrected_errors"] for name, g in gpus.items() if g.get("ecc_uncorrected_errors")}
+    if any(isinstance(g.get("ecc_uncorrected_errors"), int) for g in gpus.values()):
+        checks.append(check("fail" if ecc else "pass", "gpu uncorrected ECC errors",
+                            ", ".join(f"{n}: {v}" for n, v in ecc.items()) or "none", "0"))
+    nodes = {name: {f"{section} {key}": value for section in ("storage", "cpu", "memory")
+                    for key, value in report[section].get(name, {}).items()} for name in report["nodes"]}
+    checks += straggler_checks("node", nodes)
+    if isinstance(report["links"].get("pairs"), dict):
+        checks += straggler_checks("node pair", report["links"]["pairs"])
+    order = {"fail": 0, "pass": 1, "skip": 2}
+    return sorted(checks, key=lambda c: order[c["status"]])
+
+
+def print_table(checks: list):
+    widths = [max(len(str(c[key])) for c in checks + [check("status", "check", "value", "reference")])
+              for key in ("status", "check", "value")]
+    for row in [check("STATUS", "CHECK", "VALUE", "REFERENCE")] + checks:
+        print("  ".join(str(row[key]).ljust(width) for key, width in zip(("status", "check", "value"), widths)) + "  " + row["reference"])
+
+
+def rounded(value):
+    """Figures to 4 significant digits, so the YAML reads like a measurement and not like noise."""
+    if isinstance(value, dict):
+        return {key: rounded(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [rounded(item) for item in value]
+    return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
+def write_yaml(path: Path, content: dict):
+    path.write_text(yaml.safe_dump(rounded(content), sort_keys=False, width=120))
+
+
+# ---------------------------------------------------------------- command line
+class OneLineErrors(argparse.ArgumentParser):
+    """Bad input is one line on stderr (once per node under torchrun) and exit status 2."""
+
+    def error(self, message):
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"benchmark.py: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
+
+
+def section_list(option: str, text: str, parser) -> set:
+    names = {name.strip() for name in text.split(",") if name.strip()}
+    for name in names - set(SECTIONS):
+        close = difflib.get_close_matches(name, SECTIONS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        parser.error(f"{option}: unknown section {name!r}{hint}; sections are {', '.join(SECTIONS)}")
+    return names
+
+
+def parse_args(argv=None):
+    parser = OneLineErrors(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog="Sections: " + ", ".join(SECTIONS) + ". Figures explained in docs/BENCHMARK_FEATURES.md.")
+    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run (default: all)")
+    parser.add_argument("--skip", default="", help="comma-separated sections not to run")
+    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats: a few seconds in all")
+    parser.add_argument("--storage_path", default="checkpoints", help="folder on the filesystem to test (default: checkpoints)")
+    parser.add_argument("--report_dir", default="logs", help="where the YAML reports go (default: logs)")
+    parser.add_argument("--storage_MiB", type=positive_int, help="bytes written per node (default 1024, --quick 64)")
+    parser.add_argument("--storage_workers", type=positive_int, help="parallel writers/readers per node (default 8, --quick 4)")
+    parser.add_argument("--memory_MiB", type=positive_int, help="size of each of the 3 STREAM arrays (default 256, --quick 64, at least 4x L3)")
+    parser.add_argument("--matmul_size", type=positive_int, help="GPU matmul side (default 8192, --quick 4096)")
+    parser.add_argument("--nccl_max_MiB", type=positive_int, help="largest collective message (default 256 GPU / 16 CPU)")
+    args = parser.parse_args(argv)
+    sections = section_list("--only", args.only, parser) - section_list("--skip", args.skip, parser)
+    if not sections:
+        parser.error("--only/--skip leave no section to run")
+    cfg = {**MODES["quick" if args.quick else "default"], "quick": args.quick, "sections": [s for s in SECTIONS if s in sections],
+           "storage_path": args.storage_path, "report_dir": args.report_dir}
+    cfg.update({key: value for key, value in vars(args).items() if key in cfg and value is not None})
+    validate(cfg, args, parser)
+    return cfg
+
+
+def validate(cfg: dict, args, parser):
+    """Everything knowable before the first measurement, so bad input costs nothing."""
+    try:
+        Path(cfg["report_dir"]).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=cfg["report_dir"]).close()
+    except OSError as error:
+        parser.error(f"--report_dir {cfg['report_dir']}: cannot write there ({error.strerror}); pass a writable folder")
+    if "storage" in cfg["sections"]:
+        path = Path(cfg["storage_path"])
+        if not path.is_dir():
+            parser.error(f"--storage_path {path}: no such folder; create it (mkdir -p {path}) or pass another, or --skip storage")
+        try:
+            tempfile.TemporaryFile(dir=path).close()
+        except OSError as error:
+            parser.error(f"--storage_path {path}: cannot write there ({error.strerror}); pass a writable folder or --skip storage")
+        if cfg["storage_MiB"] < cfg["storage_workers"]:
+            parser.error(f"--storage_MiB {cfg['storage_MiB']} is less than --storage_workers {cfg['storage_workers']}: each worker writes whole 1 MiB blocks")
+        free, needed = shutil.disk_usage(path).free, 2 * cfg["storage_MiB"] * MiB
+        if free < needed:
+            parser.error(f"--storage_path {path}: {free / GB:.1f} GB free, the storage test needs {needed / GB:.1f} GB; lower --storage_MiB or free space")
+    if "memory" in cfg["sections"]:
+        floor = -(-CACHE_MULTIPLE * l3_cache_bytes() // MiB)
+        if args.memory_MiB is None:
+            cfg["memory_MiB"] = max(cfg["memory_MiB"], floor)
+        elif args.memory_MiB < floor:
+            parser.error(f"--memory_MiB {args.memory_MiB} is under {CACHE_MULTIPLE}x this node's L3 cache ({floor} MiB): it would measure cache, not memory; pass at least {floor}")
+        if 3 * cfg["memory_MiB"] * MiB > available_memory_bytes() / 2:
+            parser.error(f"--memory_MiB {cfg['memory_MiB']}: 3 arrays need more than half of the {available_memory_bytes() / GB:.1f} GB available; lower it")
+    if cfg["nccl_max_MiB"] is None:
+        cfg["nccl_max_MiB"] = NCCL_MAX_MiB[("cuda" if torch.cuda.is_available() else "cpu", cfg["quick"])]
+
+
+# ---------------------------------------------------------------- main
+def start_world() -> World:
+    """torchrun's environment, or a one-rank group for a plain `python benchmark.py`."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    options = {"device_id": device} if device.type == "cuda" else {}
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, **options)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
+    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
+    return World(dist.get_rank(), dist.get_world_size(), local_rank,
+                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device, cpu_group)
+
+
+def run_section(section: str, world: World, cfg: dict) -> dict:
+    """Runs one section where it belongs; a local failure becomes a reported error, not a hang."""
+    world.barrier()
+    if section in ("nccl", "links"):
+        return {"nccl": nccl_section, "links": links_section}[section](world, cfg)
+    if section == "storage":
+        return storage_section(world, cfg)
+    if section == "gpu" or world.is_node_leader:
+        try:
+            return {"gpu": lambda: gpu_section(world, cfg), "cpu": lambda: cpu_section(cfg),
+                    "memory": lambda: memory_section(cfg)}[section]()
+        except Exception as error:  # noqa: BLE001 - reported as a failed check
+            return {"error": f"{type(error).__name__}: {error}"}
+    return {}
+
+
+def main(argv=None) -> int:
+    cfg = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # scancel: still remove the test files
+    started = time.perf_counter()
+    world = start_world()
+    try:
+        job = [os.environ.get("SLURM_JOB_ID") or datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")]
+        dist.broadcast_object_list(job, src=0, group=world.cpu_group)
+        local, section_seconds = {"rank": world.rank, "node_rank": world.node_rank, "hostname": socket.gethostname()}, {}
+        for section in SECTIONS:
+            section_started = time.perf_counter()
+            local[section] = run_section(section, world, cfg) if section in cfg["sections"] else {"skipped": "not selected"}
+            section_seconds[section] = time.perf_counter() - section_started
+        everyone = [None] * world.size
+        dist.all_gather_object(everyone, local, group=world.cpu_group)
+        node_label = {r["node_rank"]: f"node{r['node_rank']} ({r['hostname']})" for r in everyone}
+        leaders = [r for r in everyone if r["rank"] % world.local_size == 0]
+
+        def per_node(section):
+            if "skipped" in everyone[0][section]:
+                return everyone[0][section]
+            return {node_label[r["node_rank"]]: r[section] for r in leaders}
+        gpu = everyone[0]["gpu"] if "skipped" in everyone[0]["gpu"] else {
+            f"{node_label[r['node_rank']]}/gpu{r['rank'] % world.local_size}": r["gpu"] for r in everyone}
+        report = {
+            "job": {"id": job[0], "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "command": " ".join(sys.argv), "mode": "quick" if cfg["quick"] else "default",
+                    "torch": str(torch.__version__), "seconds": time.perf_counter() - started,
+                    "section_seconds": section_seconds},
+            "world": {"ranks": world.size, "nodes": world.nodes, "ranks_per_node": world.local_size,
+                      "backend": dist.get_backend(), "device": world.device.type},
+            "verdict": None, "checks": None, "gpu": gpu, "nccl": everyone[0]["nccl"],
+            "links": {k: v for k, v in everyone[0]["links"].items() if k != "pairs"},
+            "storage": per_node("storage"), "cpu": per_node("cpu"), "memory": per_node("memory"),
+            "nodes": {node_label[r["node_rank"]]: {"hostname": r["hostname"], "first_rank": r["rank"]} for r in leaders},
+        }
+        if "skipped" not in report["links"]:
+            report["links"]["pairs"] = {pair: figures for r in leaders for pair, figures in r["links"].get("pairs", {}).items()}
+        if "skipped" not in report["storage"]:
+            report["storage"] = {"aggregate": storage_aggregate(list(report["storage"].values())), **report["storage"]}
+        report["checks"] = verdict_checks(report)
+        report["verdict"] = "fail" if any(c["status"] == "fail" for c in report["checks"]) else "pass"
+        report_dir = Path(cfg["report_dir"])
+        if world.is_node_leader:
+            mine = node_label[world.node_rank]
+            write_yaml(report_dir / f"benchmark_{job[0]}_rank{world.rank}.yaml", {
+                "job": report["job"], "node": {mine: report["nodes"][mine]},
+                "gpu": {k: v for k, v in gpu.items() if k.startswith(mine + "/")} if "skipped" not in gpu else gpu,
+                **{s: report[s].get(mine, report[s]) if "skipped" not in report[s] else report[s] for s in ("storage", "cpu", "memory")}})
+        if world.rank == 0:
+            write_yaml(report_dir / f"benchmark_{job[0]}.yaml", report)
+            print_table(report["checks"])
+            print(f"verdict: {report['verdict']} in {report['job']['seconds']:.1f} s; report: {report_dir / f'benchmark_{job[0]}.yaml'}")
+        return 1 if report["verdict"] == "fail" else 0
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
