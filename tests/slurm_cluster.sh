@@ -7,6 +7,7 @@
 set -euo pipefail
 NNODES=${NNODES:-2}
 HOSTS_TAG="# slurm-ci-nodes"
+CONF_TAG="# written by tests/slurm_cluster.sh"
 
 down() {
   local f pid pids=()
@@ -51,6 +52,7 @@ write_config() {
   mkdir -p /etc/slurm /var/spool/slurmctld
   rm -rf /var/spool/slurmctld/*
   cat > /etc/slurm/slurm.conf <<EOF
+$CONF_TAG
 ClusterName=ci
 SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
@@ -90,6 +92,10 @@ EOF
 
 up() {
   [ "$(id -u)" = 0 ] || { echo "slurm_cluster.sh: needs root (it installs packages and starts daemons)" >&2; exit 1; }
+  if [ -f /etc/slurm/slurm.conf ] && ! grep -qx "$CONF_TAG" /etc/slurm/slurm.conf; then
+    echo "slurm_cluster.sh: /etc/slurm/slurm.conf exists and is not ours: a real SLURM host? not touching it" >&2
+    exit 1
+  fi
   down
   install_packages
   mkdir -p /var/log/slurm

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 # run as if from a login shell, also when the tests themselves run inside a SLURM job
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
 # the smallest training that still exercises FSDP, checkpoints and resume on 4 CPU processes
-TINY = ["--model=tiny", "--data=dummy", "--seq_length=64", "--batch_size=2", "--global_batch_size=8",
+TINY = ["--model=tiny", "--data=dummy", "--seq_length=16", "--batch_size=1", "--global_batch_size=4",
         "--compile=False", "--activation_checkpointing=False", "--log_every=1", "--tensorboard=False"]
 
 
@@ -98,12 +98,13 @@ def test_training_across_two_nodes_writes_a_checkpoint(cluster, tmp_path):
 
 
 def test_time_limit_checkpoints_requeues_and_resumes(cluster, tmp_path):
-    # SIGUSR1 is due 20 s into the 1-minute run (slurmctld may send it earlier); the launcher hands it
-    # to train.py as soon as train.py catches it, so it always lands mid-training.
-    max_steps = 60
+    # SIGUSR1 is due 35 s into the 1-minute run; slurmctld sends it up to ~15 s earlier or ~5 s later.
+    # Training starts ~24 s in and would take ~21 s more (0.21 s a step), so the signal lands mid-training
+    # (had it come before train.py catches it, the launcher would hold it until then: a stop at step 1).
+    max_steps = 100
     job_id = submit("slurm_submit.sh", tmp_path, *TINY, f"--max_steps={max_steps}", "--checkpoint_every=1000",
                     f"--log_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ckpt",
-                    sbatch=["--nodes=2", "--time=1", "--signal=B:USR1@40"], SKIP_BENCHMARK="1")
+                    sbatch=["--nodes=2", "--time=1", "--signal=B:USR1@25"], SKIP_BENCHMARK="1")
 
     def lift_time_limit(fields):
         # The requeued run would get the same early SIGUSR1 and requeue again; a longer limit lets it
@@ -113,8 +114,8 @@ def test_time_limit_checkpoints_requeues_and_resumes(cluster, tmp_path):
 
     fields, output = wait(job_id, tmp_path, on_poll=lift_time_limit)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", output
-    assert fields["Restarts"] == "1", output
-    resumed = re.search(r"^resumed from.*?step[_ ]?(\d+)", output, re.M)
+    assert fields["Restarts"] == "1", f"no requeue: did training end before SIGUSR1 came?\n{output}"
+    resumed = re.search(r"^resumed from.*\bstep[_ ](\d+)", output, re.M)
     assert re.search(r"^stopped by signal", output, re.M) and resumed, output
     step = int(resumed.group(1))
     assert 0 < step < max_steps and list((tmp_path / "ckpt").glob(f"*/step_{step}")), output
