@@ -69,7 +69,7 @@ else
   # no GPU: a run small enough for CPUs; the script's arguments come last, so they override it
   nproc=$NPROC_PER_NODE
   bench_args=(--quick "${bench_args[@]}")
-  train_args=(--model=tiny --data=dummy --max_steps=40 --seq_length=128 --batch_size=2 --global_batch_size=16
+  train_args=(--model=tiny --data=dummy --max_steps=40 --seq_length=64 --batch_size=4 --global_batch_size=16 --lr=3e-3 --warmup_steps=4
               --compile=False --activation_checkpointing=False --log_every=5 --log_dir=logs/quickstart)
 fi
 if [ "$BENCHMARK_ONLY" = 1 ]; then bench_args+=("$@"); else train_args+=("$@"); fi
