@@ -74,7 +74,7 @@ else
 fi
 if [ "$BENCHMARK_ONLY" = 1 ]; then bench_args+=("$@"); else train_args+=("$@"); fi
 
-py=$PWD/$VENV/bin/python
+py=$(realpath -m "$VENV")/bin/python   # VENV may be relative to the repository, like setup.sh takes it
 if [ -n "${SLURM_JOB_ID:-}" ]; then
   mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   [ "${#hosts[@]}" -eq "$SLURM_NNODES" ] \
@@ -86,7 +86,7 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   else
     # once, here, not on every node: on a cluster the repository is on the shared filesystem
     bash setup.sh \
-      || die "no usable virtual environment in $PWD/$VENV: run 'bash setup.sh' on the login node, then resubmit"
+      || die "no usable virtual environment in ${py%/bin/python}: run 'bash setup.sh' on the login node, then resubmit"
   fi
   # the port comes from the job id so that two jobs sharing a node do not collide
   launcher=(srun "${srun_args[@]}" "$py" -m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc_per_node="$nproc"

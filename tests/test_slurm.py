@@ -1,6 +1,7 @@
 """The job scripts on a real SLURM: a controller and two slurmd ("nodes" n1, n2) on this one host, started
 by tests/slurm_cluster.sh (needs root; installs Debian's slurm packages when missing). The nodes have no
 GPU, so every job runs 2 CPU processes per node: world size 4 over 2 nodes."""
+import fcntl
 import json
 import os
 import re
@@ -26,15 +27,18 @@ def cluster():
         pytest.skip("SLURM tests need root: tests/slurm_cluster.sh installs packages and starts slurmctld/slurmd")
     if not shutil.which("slurmctld") and not shutil.which("apt-get"):
         pytest.skip("SLURM tests need Debian's slurm packages (slurmctld, slurmd, slurm-client, munge) or apt-get")
-    up = subprocess.run(["bash", "tests/slurm_cluster.sh", "up"], cwd=REPO, capture_output=True, text=True)
-    if up.returncode != 0:
-        message = f"could not bring up the SLURM cluster: {(up.stderr or up.stdout).strip()[-2000:]}"
-        if os.environ.get("CI"):
-            pytest.fail(message)  # CI is root on Debian: this is a bug, not a missing prerequisite
-        pytest.skip(message)
-    yield
-    subprocess.run(["scancel", "--user=root"], capture_output=True)
-    subprocess.run(["bash", "tests/slurm_cluster.sh", "down"], cwd=REPO, capture_output=True)
+    # `up` restarts the cluster: a second test session on this machine waits instead of breaking this one
+    with open("/tmp/slurm_cluster.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        up = subprocess.run(["bash", "tests/slurm_cluster.sh", "up"], cwd=REPO, capture_output=True, text=True)
+        if up.returncode != 0:
+            message = f"could not bring up the SLURM cluster: {(up.stderr or up.stdout).strip()[-2000:]}"
+            if os.environ.get("CI"):
+                pytest.fail(message)  # CI is root on Debian: this is a bug, not a missing prerequisite
+            pytest.skip(message)
+        yield
+        subprocess.run(["scancel", "--user=root"], capture_output=True)
+        subprocess.run(["bash", "tests/slurm_cluster.sh", "down"], cwd=REPO, capture_output=True)
 
 
 def submit(script, tmp, *args, sbatch=(), **knobs):
