@@ -124,18 +124,20 @@ def test_time_limit_checkpoints_requeues_and_resumes(cluster, tmp_path):
     step = int(resumed.group(1))
     assert 0 < step < max_steps and list((tmp_path / "ckpt").glob(f"*/step_{step}")), output
     assert "SLURM_RESTART_COUNT=1" in output and f"requeueing job {job_id}" in output, output
+    assert "requeued run: skipping the benchmarks" in output, output
     assert metrics(tmp_path / "logs")[-1]["step"] == max_steps
 
 
 def test_impossible_node_count_is_rejected_at_submission(cluster):
-    out = subprocess.run(["sbatch", "--nodes=3", "slurm_submit.sh"], cwd=REPO, capture_output=True, text=True)
+    out = subprocess.run(["sbatch", "--nodes=3", "slurm_submit.sh"], cwd=REPO, env=ENV, capture_output=True, text=True)
     assert out.returncode != 0 and "Node count specification invalid" in out.stderr, out.stderr
 
 
-def test_failed_benchmark_stops_before_training(tmp_path):
-    # outside SLURM, so it needs no cluster: bad benchmark input is a failed phase 1 like a failed check
-    out = subprocess.run(["bash", "slurm_submit.sh", f"--log_dir={tmp_path}"], cwd=REPO, capture_output=True,
-                         text=True, env={**ENV, "BENCHMARK_ARGS": "--only=nonsense"}, timeout=120)
-    assert out.returncode != 0, out.stdout
-    assert "benchmark failed" in out.stderr and "phase 2" not in out.stdout, out.stdout + out.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()
+def test_failed_benchmark_stops_the_job_before_training(cluster, tmp_path):
+    # on one node (sbatch overrides the script's 2); bad benchmark input fails phase 1 like a failed check
+    job_id = submit("slurm_submit.sh", tmp_path, f"--log_dir={tmp_path}/logs", sbatch=["--nodes=1"],
+                    BENCHMARK_ARGS=f"--only=nonsense --report_dir={tmp_path}")
+    fields, output = wait(job_id, tmp_path)
+    assert fields["JobState"] == "FAILED" and fields["NumNodes"] == "1", output
+    assert f"job {job_id} on n1:" in output and "benchmark failed" in output, output
+    assert "phase 2" not in output and not (tmp_path / "logs").exists(), output
