@@ -61,7 +61,7 @@ if [ "$gpus" -eq 0 ] && [ "$REQUIRE_GPUS" = 1 ]; then
   die "no GPU on $(hostname) (REQUIRE_GPUS=1): add --gpus-per-node to the #SBATCH lines or pick a GPU partition"
 fi
 
-bench_args=($BENCHMARK_ARGS)
+read -ra bench_args <<< "$BENCHMARK_ARGS"
 train_args=()
 if [ "$gpus" -gt 0 ]; then
   nproc=$gpus
@@ -69,8 +69,9 @@ else
   # no GPU: a run small enough for CPUs; the script's arguments come last, so they override it
   nproc=$NPROC_PER_NODE
   bench_args=(--quick "${bench_args[@]}")
-  train_args=(--model=tiny --data=dummy --max_steps=40 --seq_length=64 --batch_size=4 --global_batch_size=16 --lr=3e-3 --warmup_steps=4
-              --compile=False --activation_checkpointing=False --log_every=5 --log_dir=logs/quickstart)
+  train_args=(--model=tiny --data=dummy --max_steps=40 --seq_length=64 --batch_size=4 --global_batch_size=16
+              --lr=3e-3 --warmup_steps=4 --compile=False --activation_checkpointing=False
+              --log_every=5 --log_dir=logs/quickstart)
 fi
 if [ "$BENCHMARK_ONLY" = 1 ]; then bench_args+=("$@"); else train_args+=("$@"); fi
 
@@ -79,6 +80,9 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   [ "${#hosts[@]}" -eq "$SLURM_NNODES" ] \
     || die "SLURM_NNODES=$SLURM_NNODES but the job has ${#hosts[@]} nodes (${hosts[*]}): torchrun would wait for nodes that never come"
+  # --cpus-per-task: srun (22.05+) no longer inherits it, and one CPU would starve the data loaders.
+  # No --kill-on-bad-exit: every rank exits 75 after a checkpoint, and the first node to finish must not
+  # kill the others while they still write theirs.
   srun_args=(--nodes="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE")
   if [ -n "$CONTAINER_IMAGE" ]; then
     py=python
