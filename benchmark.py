@@ -21,6 +21,7 @@ train.py can use `datasheet()` for MFU.
 """
 import argparse
 import difflib
+import functools
 import mmap
 import os
 import shutil
@@ -78,7 +79,7 @@ RATE_UNITS = ("GB/s", "MB/s", "TFLOPS", "GFLOPS", "IOPS", "ops/s", "Melem/s")
 MODES = {
     "default": dict(matmul_size=8192, nccl_max_MiB=None, storage_MiB=1024, storage_workers=8,
                     memory_MiB=256, gpu_copy_MiB=1024, gpu_repeats=10, cpu_matmul_size=2048,
-                    zlib_MiB=4, sort_Melem=8, cpu_units_per_core=8, repeats=5,
+                    zlib_MiB=2, sort_Melem=8, cpu_units_per_core=8, repeats=5,
                     random_read_seconds=1.0, collective_warmup=5, collective_iters=20,
                     pingpong_iters=50),
     "quick": dict(matmul_size=4096, nccl_max_MiB=None, storage_MiB=64, storage_workers=4,
@@ -92,7 +93,9 @@ NCCL_MAX_MiB = {("cuda", False): 256, ("cuda", True): 16, ("cpu", False): 16, ("
 NCCL_MIN_BYTES = {"cuda": 1 * MiB, "cpu": 64 * 1024}
 PINGPONG_BYTES = {"cuda": 64 * MiB, "cpu": 16 * MiB}
 LATENCY_BYTES = 8
-STORAGE_BLOCK = 1 * MiB  # fio's sequential block size in the accuracy comparison
+STORAGE_PHASES = ("sequential_write", "sequential_read", "random_read_4k", "parallel_write", "parallel_read")
+STORAGE_BLOCK = 1 * MiB
+HUGE_PAGE = 2 * MiB  # fio's sequential block size in the accuracy comparison
 RANDOM_BLOCK = 4096
 CACHE_MULTIPLE = 4  # STREAM's rule: each array at least 4x the last-level cache
 CPU_WORK_ITERATIONS = 200_000  # one pure-Python work unit, ~10 ms on a current core
@@ -270,7 +273,8 @@ def gpu_section(world: World, cfg: dict) -> dict:
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     peaks = datasheet(props.name) or {}
-    for key, peak_key in {"copy_GB/s": "memory_GBps", **{f"matmul_{k}_TFLOPS": k for k in ("fp32", "tf32", "bf16", "fp8")}}.items():
+    figures = {"copy_GB/s": "memory_GBps", **{f"matmul_{k}_TFLOPS": k for k in ("fp32", "tf32", "bf16", "fp8")}}
+    for key, peak_key in figures.items():
         if peaks.get(peak_key) and result.get(key):
             result[f"{key.rsplit('_', 1)[0]}_percent_of_datasheet"] = 100 * result[key] / peaks[peak_key]
     result.update(nvidia_smi(str(props.uuid)))  # after the matmuls, so clocks and temperature are under load
@@ -382,17 +386,33 @@ def links_section(world: World, cfg: dict) -> dict:
                 latency = one_way_seconds(peer, sends, LATENCY_BYTES, world, cfg["pingpong_iters"])
                 big = PINGPONG_BYTES[world.device.type] // (8 if cfg["quick"] else 1)
                 bandwidth = big / one_way_seconds(peer, sends, big, world, max(cfg["pingpong_iters"] // 10, 2)) / GB
-                pairs[f"node{first}-node{second}"] = {"latency_us": latency * 1e6, "size_bytes": big, "bandwidth_GB/s": bandwidth}
+                pairs[f"node{first}-node{second}"] = {"latency_us": latency * 1e6, "size_bytes": big,
+                                                      "bandwidth_GB/s": bandwidth}
     return {"pairs": pairs, "one_rank_per_node": collectives_sweep(world, cfg, leaders_group, world.nodes)}
 
 
 # ---------------------------------------------------------------- storage
-def aligned_buffer(nbytes: int, random_bytes: bool = False) -> mmap.mmap:
-    """Page-aligned memory, as O_DIRECT requires; random bytes so compressing filesystems can't cheat."""
-    buffer = mmap.mmap(-1, nbytes)
-    if random_bytes:
-        buffer[:] = np.random.default_rng().bytes(nbytes)
+def aligned_buffer(nbytes: int) -> memoryview:
+    """Memory for O_DIRECT, aligned and backed by a huge page where the kernel allows (THP
+    "madvise" or "always"): a 1 MiB request from scattered 4 KiB pages has 256 segments, and a
+    device taking fewer (virtio-blk here: 254) splits it, which measures the buffer, not the storage."""
+    region = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    start = -np.frombuffer(region, np.uint8).ctypes.data % HUGE_PAGE
+    buffer = memoryview(region)[start:start + nbytes]
+    for offset in range(0, nbytes, HUGE_PAGE):
+        buffer[offset] = 0  # fault each huge page in now: O_DIRECT's page pinning would take 4 KiB ones
     return buffer
+
+
+@functools.cache
+def random_block() -> memoryview:
+    """One block of random bytes, so a compressing filesystem can't shrink what is written; made
+    once and shared by the writers, so making it is in no timing."""
+    block = aligned_buffer(STORAGE_BLOCK)
+    block[:] = np.random.default_rng().bytes(STORAGE_BLOCK)
+    return block
 
 
 def direct_io_works(folder: Path) -> bool:
@@ -420,7 +440,7 @@ def open_uncached(path: Path, flags: int, direct: bool) -> int:
 
 def write_file(path: Path, nbytes: int, direct: bool) -> float:
     """Seconds to write `nbytes` in 1 MiB blocks and fsync them (so the data is on storage)."""
-    buffer = aligned_buffer(STORAGE_BLOCK, random_bytes=True)
+    buffer = random_block()
     descriptor = open_uncached(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
     try:
         started = time.perf_counter()
@@ -476,23 +496,33 @@ def parallel(paths: list, work) -> float:
         return time.perf_counter() - started
 
 
+def parallel_bytes(cfg: dict) -> int:
+    """What the parallel phases move: --storage_MiB shared by the workers in whole blocks."""
+    return cfg["storage_MiB"] * MiB // cfg["storage_workers"] // STORAGE_BLOCK * STORAGE_BLOCK * cfg["storage_workers"]
+
+
+def storage_phases(folder: Path, cfg: dict, direct: bool) -> dict:
+    """{phase: (unit, run)} in the order they run; run() gives (GB or reads, seconds)."""
+    nbytes, workers = cfg["storage_MiB"] * MiB, cfg["storage_workers"]
+    single, shards = folder / "sequential", [folder / f"parallel_{i}" for i in range(workers)]
+    shard = parallel_bytes(cfg) // workers
+    return {
+        "sequential_write": ("GB/s", lambda: (nbytes / GB, write_file(single, nbytes, direct))),
+        "sequential_read": ("GB/s", lambda: (nbytes / GB, read_file(single, nbytes, direct))),
+        "random_read_4k": ("IOPS", lambda: random_reads(single, nbytes, direct, cfg["random_read_seconds"])),
+        "parallel_write": ("GB/s", lambda: (shard * workers / GB, parallel(shards, lambda p: write_file(p, shard, direct)))),
+        "parallel_read": ("GB/s", lambda: (shard * workers / GB, parallel(shards, lambda p: read_file(p, shard, direct)))),
+    }
+
+
 def storage_section(world: World, cfg: dict) -> dict:
     """Phases start together on every node (a barrier each), so parallel write/read are also the
     storage's aggregate when the path is shared; the node's other ranks only take the barriers."""
-    nbytes, workers = cfg["storage_MiB"] * MiB, cfg["storage_workers"]
-    shard = nbytes // workers // STORAGE_BLOCK * STORAGE_BLOCK
     folder = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=cfg["storage_path"])) if world.is_node_leader else None
     result = {}
     try:
         direct = world.is_node_leader and direct_io_works(folder)
-        single, shards = (folder / "sequential", [folder / f"parallel_{i}" for i in range(workers)]) if folder else (None, [])
-        phases = {  # name: (unit, what it moves, seconds it takes)
-            "sequential_write": ("GB/s", lambda: (nbytes / GB, write_file(single, nbytes, direct))),
-            "sequential_read": ("GB/s", lambda: (nbytes / GB, read_file(single, nbytes, direct))),
-            "random_read_4k": ("IOPS", lambda: random_reads(single, nbytes, direct, cfg["random_read_seconds"])),
-            "parallel_write": ("GB/s", lambda: (shard * workers / GB, parallel(shards, lambda p: write_file(p, shard, direct)))),
-            "parallel_read": ("GB/s", lambda: (shard * workers / GB, parallel(shards, lambda p: read_file(p, shard, direct)))),
-        }
+        phases = storage_phases(folder, cfg, direct) if folder else dict.fromkeys(STORAGE_PHASES, (None, None))
         seconds = {}
         for phase, (unit, run) in phases.items():
             world.barrier()
@@ -505,7 +535,8 @@ def storage_section(world: World, cfg: dict) -> dict:
         if world.is_node_leader:
             result.update({"method": "O_DIRECT" if direct else "fsync + posix_fadvise(DONTNEED) (no O_DIRECT here)",
                            "path": str(Path(cfg["storage_path"]).resolve()), "file_MiB": cfg["storage_MiB"],
-                           "workers": workers, "parallel_bytes": shard * workers, "seconds": seconds})
+                           "workers": cfg["storage_workers"], "parallel_bytes": parallel_bytes(cfg),
+                           "seconds": seconds})
     finally:
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
@@ -518,7 +549,8 @@ def storage_aggregate(nodes: list) -> dict:
     aggregate = {"nodes": len(nodes)}
     for phase in ("parallel_write", "parallel_read"):
         if nodes and all(phase in node.get("seconds", {}) for node in nodes):
-            aggregate[f"{phase}_GB/s"] = sum(n["parallel_bytes"] for n in nodes) / max(n["seconds"][phase] for n in nodes) / GB
+            slowest = max(node["seconds"][phase] for node in nodes)
+            aggregate[f"{phase}_GB/s"] = sum(node["parallel_bytes"] for node in nodes) / slowest / GB
     return aggregate
 
 
@@ -565,12 +597,14 @@ def cpu_section(cfg: dict) -> dict:
     torch.set_num_threads(cores)
     try:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        result["matmul_fp32_GFLOPS"] = matmul_tflops(n, median_seconds(lambda: torch.mm(a, b), repeats=cfg["repeats"])) * 1e3
+        seconds = median_seconds(lambda: torch.mm(a, b), repeats=cfg["repeats"])
+        result["matmul_fp32_GFLOPS"] = matmul_tflops(n, seconds) * 1e3
     finally:
         torch.set_num_threads(threads)
     # 16-symbol random bytes compress to ~57%, like tokenized data; zlib.compress releases the GIL
     data = np.random.default_rng(0).integers(0, 16, cfg["zlib_MiB"] * MiB, dtype=np.uint8).tobytes()
-    result["zlib_single_core_MB/s"] = len(data) / median_seconds(lambda: zlib.compress(data), repeats=cfg["repeats"]) / 1e6
+    seconds = median_seconds(lambda: zlib.compress(data), repeats=cfg["repeats"])
+    result["zlib_single_core_MB/s"] = len(data) / seconds / 1e6
     with ThreadPoolExecutor(cores) as pool:
         seconds = median_seconds(lambda: list(pool.map(zlib.compress, [data] * cores)), repeats=cfg["repeats"])
     result["zlib_all_cores_MB/s"] = len(data) * cores / seconds / 1e6
@@ -586,8 +620,9 @@ def l3_cache_bytes() -> int:
     for index in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
         try:
             if (index / "level").read_text().strip() == "3":
-                size = (index / "size").read_text().strip()
-                caches[(index / "shared_cpu_list").read_text().strip()] = int(size.rstrip("KMG")) * {"K": 1 << 10, "M": MiB, "G": 1 << 30}.get(size[-1], 1)
+                size = (index / "size").read_text().strip()  # "32768K"
+                multiple = {"K": 1 << 10, "M": MiB, "G": 1 << 30}.get(size[-1], 1)
+                caches[(index / "shared_cpu_list").read_text().strip()] = int(size.rstrip("KMG")) * multiple
         except (OSError, ValueError):
             continue
     return sum(caches.values())
@@ -601,24 +636,27 @@ def available_memory_bytes() -> int:
 
 
 def memory_section(cfg: dict) -> dict:
-    """STREAM copy (b = a) and triad (a = b + s*c) over float64 arrays, bytes counted as STREAM
-    does. torch runs the kernels: one pass each (numpy's triad would be two passes, moving 5 arrays
-    for STREAM's 3) and its thread count can be set to 1 or to every core."""
+    """STREAM copy (b = a) and triad (a = b + 3c) over float64 arrays, bytes counted as STREAM does.
+    The kernels are torch's, one pass each (numpy's triad takes two, moving 5 arrays for STREAM's
+    3), on one thread, then on one slice per core from a thread pool (torch releases the GIL)."""
     n = cfg["memory_MiB"] * MiB // 8
     cores, threads = usable_cores(), torch.get_num_threads()
     result = {"array_MiB": cfg["memory_MiB"], "arrays": 3, "l3_cache_MiB": l3_cache_bytes() / MiB, "cores": cores}
+    bounds = np.linspace(0, n, cores + 1).astype(int).tolist()
+    slices = [slice(start, stop) for start, stop in zip(bounds[:-1], bounds[1:])]
+    torch.set_num_threads(1)  # each slice on one core; torch's own pool would spin-wait between kernels
     try:
-        torch.set_num_threads(cores)
-        a, b, c = (torch.from_numpy(np.empty(n)) for _ in range(3))
-        for array, value in ((a, 1.0), (b, 2.0), (c, 0.5)):
-            array.fill_(value)  # first touch by all threads: pages land on the socket that will use them
-        for label, thread_count in (("1thread", 1), ("all_cores", cores)):
-            torch.set_num_threads(thread_count)
-            copy = median_seconds(lambda: b.copy_(a), repeats=cfg["repeats"])
-            triad = median_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), repeats=cfg["repeats"])
-            result[f"copy_{label}_GB/s"] = stream_bytes("copy", n) / copy / GB
-            result[f"triad_{label}_GB/s"] = stream_bytes("triad", n) / triad / GB
-        del a, b, c
+        with ThreadPoolExecutor(cores) as pool:
+            a, b, c = (torch.from_numpy(np.empty(n)) for _ in range(3))
+            # first touch by the threads that will use each slice, so a 2-socket node spreads the pages
+            list(pool.map(lambda part: [x[part].fill_(1.0) for x in (a, b, c)], slices))
+            for label, parts in (("1thread", [slice(0, n)]), ("all_cores", slices)):
+                copy = median_seconds(lambda: list(pool.map(lambda s: b[s].copy_(a[s]), parts)), repeats=cfg["repeats"])
+                triad = median_seconds(lambda: list(pool.map(lambda s: torch.add(b[s], c[s], alpha=3.0, out=a[s]), parts)),
+                                       repeats=cfg["repeats"])
+                result[f"copy_{label}_GB/s"] = stream_bytes("copy", n) / copy / GB
+                result[f"triad_{label}_GB/s"] = stream_bytes("triad", n) / triad / GB
+            del a, b, c
     finally:
         torch.set_num_threads(threads)
     page_elements = mmap.PAGESIZE // 8
@@ -646,8 +684,9 @@ def straggler_checks(kind: str, members: dict) -> list:
         values = {name: m[figure] for name, m in members.items() if isinstance(m.get(figure), (int, float))}
         flagged, median = flag_stragglers(values), statistics.median(values.values())
         slowest = min(values, key=values.get)
+        flagged_text = f"; flagged {', '.join(flagged)}" if flagged else ""
         checks.append(check("fail" if flagged else "pass", f"{kind} {figure}",
-                            f"slowest {slowest}: {values[slowest]:.4g}" + (f"; flagged {', '.join(flagged)}" if flagged else ""),
+                            f"slowest {slowest}: {values[slowest]:.4g}{flagged_text}",
                             f"median {median:.4g}, flag below {(1 - STRAGGLER_TOLERANCE) * median:.4g}"))
     return checks
 
@@ -655,7 +694,8 @@ def straggler_checks(kind: str, members: dict) -> list:
 def verdict_checks(report: dict) -> list:
     checks = [check("skip", section, report[section]["skipped"]) for section in SECTIONS
               if isinstance(report[section], dict) and "skipped" in report[section]]
-    checks += [check("fail", f"{section} on {name}", figures["error"]) for section in ("gpu", "storage", "cpu", "memory")
+    checks += [check("fail", f"{section} on {name}", figures["error"])
+               for section in ("gpu", "storage", "cpu", "memory")
                for name, figures in report[section].items() if isinstance(figures, dict) and "error" in figures]
     gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
     checks += straggler_checks("gpu", gpus)
@@ -669,8 +709,9 @@ def verdict_checks(report: dict) -> list:
             percent = {name: 100 * value / peak for name, (value, peak) in known.items()}
             low = [name for name, p in percent.items() if p < DATASHEET_MIN_PERCENT]
             worst = min(percent, key=percent.get)
+            flagged_text = f"; flagged {', '.join(low)}" if low else ""
             checks.append(check("fail" if low else "pass", f"gpu {figure} vs datasheet",
-                                f"lowest {worst}: {percent[worst]:.0f}% of {known[worst][1]:g}" + (f"; flagged {', '.join(low)}" if low else ""),
+                                f"lowest {worst}: {percent[worst]:.0f}% of {known[worst][1]:g}{flagged_text}",
                                 f">= {DATASHEET_MIN_PERCENT:.0f}% of datasheet"))
     ecc = {name: g["ecc_uncorrected_errors"] for name, g in gpus.items() if g.get("ecc_uncorrected_errors")}
     if any(isinstance(g.get("ecc_uncorrected_errors"), int) for g in gpus.values()):
@@ -689,7 +730,8 @@ def print_table(checks: list):
     widths = [max(len(str(c[key])) for c in checks + [check("status", "check", "value", "reference")])
               for key in ("status", "check", "value")]
     for row in [check("STATUS", "CHECK", "VALUE", "REFERENCE")] + checks:
-        print("  ".join(str(row[key]).ljust(width) for key, width in zip(("status", "check", "value"), widths)) + "  " + row["reference"])
+        cells = [str(row[key]).ljust(width) for key, width in zip(("status", "check", "value"), widths)]
+        print("  ".join(cells + [row["reference"]]))
 
 
 def rounded(value):
@@ -731,24 +773,25 @@ def section_list(option: str, text: str, parser) -> set:
 
 
 def parse_args(argv=None):
-    parser = OneLineErrors(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                           epilog="Sections: " + ", ".join(SECTIONS) + ". Figures explained in docs/BENCHMARK_FEATURES.md.")
+    parser = OneLineErrors(description=__doc__.split("\n\n")[0],
+                           epilog=f"Sections: {', '.join(SECTIONS)}. Figures explained in docs/BENCHMARK_FEATURES.md.")
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run (default: all)")
     parser.add_argument("--skip", default="", help="comma-separated sections not to run")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats: a few seconds in all")
-    parser.add_argument("--storage_path", default="checkpoints", help="folder on the filesystem to test (default: checkpoints)")
+    parser.add_argument("--storage_path", default="checkpoints", help="folder whose filesystem is tested (default: checkpoints)")
     parser.add_argument("--report_dir", default="logs", help="where the YAML reports go (default: logs)")
     parser.add_argument("--storage_MiB", type=positive_int, help="bytes written per node (default 1024, --quick 64)")
-    parser.add_argument("--storage_workers", type=positive_int, help="parallel writers/readers per node (default 8, --quick 4)")
-    parser.add_argument("--memory_MiB", type=positive_int, help="size of each of the 3 STREAM arrays (default 256, --quick 64, at least 4x L3)")
+    parser.add_argument("--storage_workers", type=positive_int, help="parallel writers/readers (default 8, --quick 4)")
+    parser.add_argument("--memory_MiB", type=positive_int, help="each STREAM array (default 256, --quick 64; >= 4x L3)")
     parser.add_argument("--matmul_size", type=positive_int, help="GPU matmul side (default 8192, --quick 4096)")
-    parser.add_argument("--nccl_max_MiB", type=positive_int, help="largest collective message (default 256 GPU / 16 CPU)")
+    parser.add_argument("--nccl_max_MiB", type=positive_int, help="largest collective (default 256 GPU / 16 CPU)")
     args = parser.parse_args(argv)
     sections = section_list("--only", args.only, parser) - section_list("--skip", args.skip, parser)
     if not sections:
         parser.error("--only/--skip leave no section to run")
-    cfg = {**MODES["quick" if args.quick else "default"], "quick": args.quick, "sections": [s for s in SECTIONS if s in sections],
-           "storage_path": args.storage_path, "report_dir": args.report_dir}
+    cfg = {**MODES["quick" if args.quick else "default"], "quick": args.quick,
+           "sections": [s for s in SECTIONS if s in sections], "storage_path": args.storage_path,
+           "report_dir": args.report_dir}
     cfg.update({key: value for key, value in vars(args).items() if key in cfg and value is not None})
     validate(cfg, args, parser)
     return cfg
@@ -764,24 +807,30 @@ def validate(cfg: dict, args, parser):
     if "storage" in cfg["sections"]:
         path = Path(cfg["storage_path"])
         if not path.is_dir():
-            parser.error(f"--storage_path {path}: no such folder; create it (mkdir -p {path}) or pass another, or --skip storage")
+            parser.error(f"--storage_path {path}: no such folder; create it (mkdir -p {path}), pass another "
+                         "or --skip storage")
         try:
             tempfile.TemporaryFile(dir=path).close()
         except OSError as error:
-            parser.error(f"--storage_path {path}: cannot write there ({error.strerror}); pass a writable folder or --skip storage")
+            parser.error(f"--storage_path {path}: cannot write there ({error.strerror}); pass a writable folder "
+                         "or --skip storage")
         if cfg["storage_MiB"] < cfg["storage_workers"]:
-            parser.error(f"--storage_MiB {cfg['storage_MiB']} is less than --storage_workers {cfg['storage_workers']}: each worker writes whole 1 MiB blocks")
+            parser.error(f"--storage_MiB {cfg['storage_MiB']} is less than --storage_workers "
+                         f"{cfg['storage_workers']}: each worker writes whole 1 MiB blocks")
         free, needed = shutil.disk_usage(path).free, 2 * cfg["storage_MiB"] * MiB
         if free < needed:
-            parser.error(f"--storage_path {path}: {free / GB:.1f} GB free, the storage test needs {needed / GB:.1f} GB; lower --storage_MiB or free space")
+            parser.error(f"--storage_path {path}: {free / GB:.1f} GB free, the storage test needs "
+                         f"{needed / GB:.1f} GB; lower --storage_MiB or free space")
     if "memory" in cfg["sections"]:
         floor = -(-CACHE_MULTIPLE * l3_cache_bytes() // MiB)
         if args.memory_MiB is None:
             cfg["memory_MiB"] = max(cfg["memory_MiB"], floor)
         elif args.memory_MiB < floor:
-            parser.error(f"--memory_MiB {args.memory_MiB} is under {CACHE_MULTIPLE}x this node's L3 cache ({floor} MiB): it would measure cache, not memory; pass at least {floor}")
+            parser.error(f"--memory_MiB {args.memory_MiB} is under {CACHE_MULTIPLE}x this node's L3 cache "
+                         f"({floor} MiB): it would measure cache, not memory; pass at least {floor}")
         if 3 * cfg["memory_MiB"] * MiB > available_memory_bytes() / 2:
-            parser.error(f"--memory_MiB {cfg['memory_MiB']}: 3 arrays need more than half of the {available_memory_bytes() / GB:.1f} GB available; lower it")
+            parser.error(f"--memory_MiB {cfg['memory_MiB']}: 3 arrays need more than half of the "
+                         f"{available_memory_bytes() / GB:.1f} GB available; lower it")
     if cfg["nccl_max_MiB"] is None:
         cfg["nccl_max_MiB"] = NCCL_MAX_MiB[("cuda" if torch.cuda.is_available() else "cpu", cfg["quick"])]
 
@@ -820,59 +869,76 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
     return {}
 
 
+def cluster_report(everyone: list, world: World, job: dict) -> dict:
+    """Rank 0's view from every rank's figures: GPUs by name, per-node sections, aggregates, checks."""
+    label = {r["node_rank"]: f"node{r['node_rank']} ({r['hostname']})" for r in everyone}
+    leaders = [r for r in everyone if r["rank"] % world.local_size == 0]
+    first = everyone[0]
+
+    def per_node(section):
+        return first[section] if "skipped" in first[section] else {label[r["node_rank"]]: r[section] for r in leaders}
+    report = {
+        "job": job,
+        "world": {"ranks": world.size, "nodes": world.nodes, "ranks_per_node": world.local_size,
+                  "backend": dist.get_backend(), "device": world.device.type},
+        "verdict": None, "checks": None,
+        "gpu": first["gpu"] if "skipped" in first["gpu"] else {
+            f"{label[r['node_rank']]}/gpu{r['rank'] % world.local_size}": r["gpu"] for r in everyone},
+        "nccl": first["nccl"],
+        "links": {key: value for key, value in first["links"].items() if key != "pairs"},
+        "storage": per_node("storage"), "cpu": per_node("cpu"), "memory": per_node("memory"),
+        "nodes": {label[r["node_rank"]]: {"hostname": r["hostname"], "first_rank": r["rank"]} for r in leaders},
+    }
+    if "skipped" not in report["links"]:
+        report["links"]["pairs"] = {pair: figures for r in leaders for pair, figures in r["links"].get("pairs", {}).items()}
+    if "skipped" not in report["storage"]:
+        report["storage"] = {"aggregate": storage_aggregate(list(report["storage"].values())), **report["storage"]}
+    report["checks"] = verdict_checks(report)
+    report["verdict"] = "fail" if any(c["status"] == "fail" for c in report["checks"]) else "pass"
+    return report
+
+
+def node_report(report: dict, node: str) -> dict:
+    """One node's part of the cluster report, for its benchmark_<job>_rank<R>.yaml."""
+    def mine(section):
+        figures = report[section]
+        if "skipped" in figures:
+            return figures
+        return {key: value for key, value in figures.items() if key.startswith(node + "/")} if section == "gpu" else figures[node]
+    return {"job": report["job"], "node": {node: report["nodes"][node]},
+            **{section: mine(section) for section in ("gpu", "storage", "cpu", "memory")}}
+
+
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # scancel: still remove the test files
     started = time.perf_counter()
     world = start_world()
     try:
-        job = [os.environ.get("SLURM_JOB_ID") or datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")]
-        dist.broadcast_object_list(job, src=0, group=world.cpu_group)
-        local, section_seconds = {"rank": world.rank, "node_rank": world.node_rank, "hostname": socket.gethostname()}, {}
+        job_id = [os.environ.get("SLURM_JOB_ID") or datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")]
+        dist.broadcast_object_list(job_id, src=0, group=world.cpu_group)
+        local = {"rank": world.rank, "node_rank": world.node_rank, "hostname": socket.gethostname()}
+        section_seconds = {}
         for section in SECTIONS:
             section_started = time.perf_counter()
-            local[section] = run_section(section, world, cfg) if section in cfg["sections"] else {"skipped": "not selected"}
+            selected = section in cfg["sections"]
+            local[section] = run_section(section, world, cfg) if selected else {"skipped": "not selected"}
             section_seconds[section] = time.perf_counter() - section_started
         everyone = [None] * world.size
         dist.all_gather_object(everyone, local, group=world.cpu_group)
-        node_label = {r["node_rank"]: f"node{r['node_rank']} ({r['hostname']})" for r in everyone}
-        leaders = [r for r in everyone if r["rank"] % world.local_size == 0]
-
-        def per_node(section):
-            if "skipped" in everyone[0][section]:
-                return everyone[0][section]
-            return {node_label[r["node_rank"]]: r[section] for r in leaders}
-        gpu = everyone[0]["gpu"] if "skipped" in everyone[0]["gpu"] else {
-            f"{node_label[r['node_rank']]}/gpu{r['rank'] % world.local_size}": r["gpu"] for r in everyone}
-        report = {
-            "job": {"id": job[0], "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    "command": " ".join(sys.argv), "mode": "quick" if cfg["quick"] else "default",
-                    "torch": str(torch.__version__), "seconds": time.perf_counter() - started,
-                    "section_seconds": section_seconds},
-            "world": {"ranks": world.size, "nodes": world.nodes, "ranks_per_node": world.local_size,
-                      "backend": dist.get_backend(), "device": world.device.type},
-            "verdict": None, "checks": None, "gpu": gpu, "nccl": everyone[0]["nccl"],
-            "links": {k: v for k, v in everyone[0]["links"].items() if k != "pairs"},
-            "storage": per_node("storage"), "cpu": per_node("cpu"), "memory": per_node("memory"),
-            "nodes": {node_label[r["node_rank"]]: {"hostname": r["hostname"], "first_rank": r["rank"]} for r in leaders},
-        }
-        if "skipped" not in report["links"]:
-            report["links"]["pairs"] = {pair: figures for r in leaders for pair, figures in r["links"].get("pairs", {}).items()}
-        if "skipped" not in report["storage"]:
-            report["storage"] = {"aggregate": storage_aggregate(list(report["storage"].values())), **report["storage"]}
-        report["checks"] = verdict_checks(report)
-        report["verdict"] = "fail" if any(c["status"] == "fail" for c in report["checks"]) else "pass"
-        report_dir = Path(cfg["report_dir"])
+        job = {"id": job_id[0], "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "command": " ".join(sys.argv), "mode": "quick" if cfg["quick"] else "default",
+               "torch": str(torch.__version__), "seconds": time.perf_counter() - started,
+               "section_seconds": section_seconds}
+        report = cluster_report(everyone, world, job)
+        path = Path(cfg["report_dir"]) / f"benchmark_{job['id']}.yaml"
         if world.is_node_leader:
-            mine = node_label[world.node_rank]
-            write_yaml(report_dir / f"benchmark_{job[0]}_rank{world.rank}.yaml", {
-                "job": report["job"], "node": {mine: report["nodes"][mine]},
-                "gpu": {k: v for k, v in gpu.items() if k.startswith(mine + "/")} if "skipped" not in gpu else gpu,
-                **{s: report[s].get(mine, report[s]) if "skipped" not in report[s] else report[s] for s in ("storage", "cpu", "memory")}})
+            node = f"node{world.node_rank} ({local['hostname']})"
+            write_yaml(path.with_name(f"{path.stem}_rank{world.rank}.yaml"), node_report(report, node))
         if world.rank == 0:
-            write_yaml(report_dir / f"benchmark_{job[0]}.yaml", report)
+            write_yaml(path, report)
             print_table(report["checks"])
-            print(f"verdict: {report['verdict']} in {report['job']['seconds']:.1f} s; report: {report_dir / f'benchmark_{job[0]}.yaml'}")
+            print(f"verdict: {report['verdict']} in {job['seconds']:.1f} s; report: {path}")
         return 1 if report["verdict"] == "fail" else 0
     finally:
         dist.destroy_process_group()
