@@ -57,7 +57,8 @@ seen=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 gpus=${SLURM_GPUS_ON_NODE:-$seen}
 [ "$gpus" -eq 0 ] || [ "$seen" -gt 0 ] || die "the job has $gpus GPUs per node but nvidia-smi sees none on $(hostname)"
 if [ "$gpus" -eq 0 ] && [ "$REQUIRE_GPUS" = 1 ]; then
-  [ -n "${SLURM_JOB_ID:-}" ] || die "no SLURM job and no GPU here (REQUIRE_GPUS=1): run sbatch slurm_submit.sh on a GPU cluster"
+  [ -n "${SLURM_JOB_ID:-}" ] \
+    || die "no SLURM job and no GPU here (REQUIRE_GPUS=1): run sbatch slurm_submit.sh on a GPU cluster"
   die "no GPU on $(hostname) (REQUIRE_GPUS=1): add --gpus-per-node to the #SBATCH lines or pick a GPU partition"
 fi
 
@@ -79,11 +80,12 @@ py=$(realpath -m "$VENV")/bin/python   # VENV may be relative to the repository,
 if [ -n "${SLURM_JOB_ID:-}" ]; then
   mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
   [ "${#hosts[@]}" -eq "$SLURM_NNODES" ] \
-    || die "SLURM_NNODES=$SLURM_NNODES but the job has ${#hosts[@]} nodes (${hosts[*]}): torchrun would wait for nodes that never come"
+    || die "SLURM_NNODES=$SLURM_NNODES but the job has ${#hosts[@]} nodes (${hosts[*]}): torchrun would wait forever"
   # --cpus-per-task: srun (22.05+) no longer inherits it, and one CPU would starve the data loaders.
-  # No --kill-on-bad-exit: every rank exits 75 after a checkpoint, and the first node to finish must not
-  # kill the others while they still write theirs.
-  srun_args=(--nodes="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE")
+  # --kill-on-bad-exit=0 (some clusters default to 1): every rank exits 75 after a checkpoint, and the
+  # first node to finish must not kill the others while they still write theirs.
+  srun_args=(--nodes="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE"
+             --kill-on-bad-exit=0)
   if [ -n "$CONTAINER_IMAGE" ]; then
     py=python
     srun_args+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$PWD:$PWD" --container-workdir="$PWD")
@@ -99,11 +101,13 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   where="job $SLURM_JOB_ID on ${hosts[*]}"
 else
   bash setup.sh
-  launcher=("$py" -m torch.distributed.run --standalone --nproc_per_node="$nproc" --max-restarts="$TORCHRUN_MAX_RESTARTS")
+  launcher=("$py" -m torch.distributed.run --standalone --nproc_per_node="$nproc"
+            --max-restarts="$TORCHRUN_MAX_RESTARTS")
   where="$(hostname) (no SLURM job)"
 fi
 restarts=${SLURM_RESTART_COUNT:-0}
-echo "$(date +%T) $where: SLURM_RESTART_COUNT=$restarts, $nproc processes per node ($([ "$gpus" -gt 0 ] && echo GPUs || echo CPU))"
+device=$([ "$gpus" -gt 0 ] && echo GPUs || echo CPU)
+echo "$(date +%T) $where: SLURM_RESTART_COUNT=$restarts, $nproc processes per node ($device)"
 
 # SIGUSR1 for the local workers (children of this job's torchrun) that catch it: a worker that has not set
 # its handler yet would die of it. The batch shell runs on the first node; train.py tells the other ranks.
@@ -131,8 +135,9 @@ launch() {
 
 requeue() {  # $1: the exit status to report when no requeue is left
   [ "$restarts" -lt "$MAX_REQUEUES" ] \
-    || { echo "stopped for the time limit, but all MAX_REQUEUES=$MAX_REQUEUES requeues are used: not requeueing"; exit "$1"; }
-  echo "$(date +%T) requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) of at most $MAX_REQUEUES); it resumes from the checkpoint"
+    || { echo "stopped for the time limit, but all MAX_REQUEUES=$MAX_REQUEUES requeues are used"; exit "$1"; }
+  echo "$(date +%T) requeueing job $SLURM_JOB_ID (restart $((restarts + 1)) of at most $MAX_REQUEUES)," \
+       "to resume from the checkpoint"
   scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue failed (was the job submitted with --no-requeue?)"
   exit 0
 }

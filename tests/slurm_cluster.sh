@@ -85,7 +85,8 @@ JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 KillWait=5
 MinJobAge=300
-NodeName=n[1-$NNODES] NodeHostname=$host NodeAddr=127.0.0.1 Port=17001-$((17000 + NNODES)) CPUs=$ncpu RealMemory=$node_mem State=UNKNOWN
+NodeName=DEFAULT CPUs=$ncpu RealMemory=$node_mem State=UNKNOWN
+NodeName=n[1-$NNODES] NodeHostname=$host NodeAddr=127.0.0.1 Port=17001-$((17000 + NNODES))
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }
@@ -104,7 +105,10 @@ up() {
   # daemons must not hold on to our stdout: a caller reading it (pytest) would wait ~10 s for them
   /usr/sbin/slurmctld </dev/null >>/var/log/slurm/daemons.out 2>&1
   for _ in $(seq 100); do scontrol ping 2>/dev/null | grep -q UP && break; sleep 0.1; done
-  for n in $(seq "$NNODES"); do mkdir -p "/var/spool/slurmd/n$n"; /usr/sbin/slurmd -N "n$n" </dev/null >>/var/log/slurm/daemons.out 2>&1; done
+  for n in $(seq "$NNODES"); do
+    mkdir -p "/var/spool/slurmd/n$n"
+    /usr/sbin/slurmd -N "n$n" </dev/null >>/var/log/slurm/daemons.out 2>&1
+  done
   for _ in $(seq 300); do [ "$(sinfo -h -o %T | sort -u)" = idle ] && break; sleep 0.1; done
   [ "$(sinfo -h -o %T | sort -u)" = idle ] \
     || { echo "slurm_cluster.sh: nodes did not come up:" >&2; sinfo >&2; tail -20 /var/log/slurm/*.log >&2; exit 1; }
