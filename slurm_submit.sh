@@ -69,8 +69,11 @@ if [ "$gpus" -gt 0 ]; then
 else
   # no GPU: a run small enough for CPUs; the script's arguments come last, so they override it
   nproc=$NPROC_PER_NODE
+  world=$(( nproc * ${SLURM_NNODES:-1} ))
   bench_args=(--quick "${bench_args[@]}")
-  train_args=(--model=tiny --data=dummy --max_steps=40 --seq_length=64 --batch_size=4 --global_batch_size=16
+  # 4 sequences per process, at least 16 per step, a multiple of 4 x world whatever the process count
+  train_args=(--model=tiny --data=dummy --max_steps=40 --seq_length=64 --batch_size=4
+              --global_batch_size=$(( 4 * world * ((4 + world - 1) / world) ))
               --lr=3e-3 --warmup_steps=4 --compile=False --activation_checkpointing=False
               --log_every=5 --log_dir=logs/quickstart)
 fi
