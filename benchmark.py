@@ -51,19 +51,22 @@ SECTIONS = ("gpu", "nccl", "links", "storage", "cpu", "memory")
 # these are half of those): TFLOPS, and HBM bandwidth in GB/s. Matched by substring of
 # torch.cuda.get_device_name() in this order, so the more specific names come first
 # ("GH200" contains "H200", "H100 PCIe" contains "H100"). Sources: docs/BENCHMARK_FEATURES.md.
+HOPPER = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9}  # SXM, 700 W
+HOPPER_NVL = {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5}  # PCIe card, 350-400 W
+AMPERE = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None}
 DATASHEET = {
     "GB200": {"fp32": 80.0, "tf32": 1250.0, "bf16": 2500.0, "fp8": 5000.0, "memory_GBps": 8000.0},
     "B200": {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp8": 4500.0, "memory_GBps": 7700.0},
-    "GH200 144G": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9, "memory_GBps": 4900.0},
-    "GH200": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9, "memory_GBps": 4000.0},
-    "H200 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5, "memory_GBps": 4800.0},
-    "H200": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9, "memory_GBps": 4800.0},
-    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5, "memory_GBps": 3900.0},
+    "GH200 144G": {**HOPPER, "memory_GBps": 4900.0},
+    "GH200": {**HOPPER, "memory_GBps": 4000.0},
+    "H200 NVL": {**HOPPER_NVL, "memory_GBps": 4800.0},
+    "H200": {**HOPPER, "memory_GBps": 4800.0},
+    "H100 NVL": {**HOPPER_NVL, "memory_GBps": 3900.0},
     "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp8": 1513.0, "memory_GBps": 2000.0},
-    "H100": {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9, "memory_GBps": 3350.0},
-    "A100-SXM4-80GB": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None, "memory_GBps": 2039.0},
-    "A100 80GB PCIe": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None, "memory_GBps": 1935.0},
-    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None, "memory_GBps": 1555.0},
+    "H100": {**HOPPER, "memory_GBps": 3350.0},
+    "A100-SXM4-80GB": {**AMPERE, "memory_GBps": 2039.0},
+    "A100 80GB PCIe": {**AMPERE, "memory_GBps": 1935.0},
+    "A100": {**AMPERE, "memory_GBps": 1555.0},
 }
 
 # Verdict thresholds. A member more than STRAGGLER_TOLERANCE below the median of its peers fails;
@@ -94,15 +97,15 @@ NCCL_MIN_BYTES = {"cuda": 1 * MiB, "cpu": 64 * 1024}
 PINGPONG_BYTES = {"cuda": 64 * MiB, "cpu": 16 * MiB}
 LATENCY_BYTES = 8
 STORAGE_PHASES = ("sequential_write", "sequential_read", "random_read_4k", "parallel_write", "parallel_read")
-STORAGE_BLOCK = 1 * MiB
-HUGE_PAGE = 2 * MiB  # fio's sequential block size in the accuracy comparison
+STORAGE_BLOCK = 1 * MiB  # fio's sequential block size in the accuracy comparison
+HUGE_PAGE = 2 * MiB
 RANDOM_BLOCK = 4096
 CACHE_MULTIPLE = 4  # STREAM's rule: each array at least 4x the last-level cache
 CPU_WORK_ITERATIONS = 200_000  # one pure-Python work unit, ~10 ms on a current core
 
 
 def datasheet(device_name: str) -> dict | None:
-    """Dense peaks for a GPU name ({"fp32", "tf32", "bf16", "fp8": TFLOPS or None, "memory_GBps"}), None if unknown."""
+    """Dense peaks for a GPU name: {"fp32", "tf32", "bf16", "fp8": TFLOPS or None, "memory_GBps"}; None if unknown."""
     for name_part, peaks in DATASHEET.items():
         if name_part.lower() in device_name.lower():
             return dict(peaks)
@@ -277,7 +280,7 @@ def gpu_section(world: World, cfg: dict) -> dict:
     for key, peak_key in figures.items():
         if peaks.get(peak_key) and result.get(key):
             result[f"{key.rsplit('_', 1)[0]}_percent_of_datasheet"] = 100 * result[key] / peaks[peak_key]
-    result.update(nvidia_smi(str(props.uuid)))  # after the matmuls, so clocks and temperature are under load
+    result.update(nvidia_smi(str(props.uuid)))  # right after the matmuls: clocks and temperature of a hot GPU
     return result
 
 
@@ -396,7 +399,8 @@ def aligned_buffer(nbytes: int) -> memoryview:
     """Memory for O_DIRECT, aligned and backed by a huge page where the kernel allows (THP
     "madvise" or "always"): a 1 MiB request from scattered 4 KiB pages has 256 segments, and a
     device taking fewer (virtio-blk here: 254) splits it, which measures the buffer, not the storage."""
-    region = mmap.mmap(-1, -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a huge-page boundary
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared ones get no THP
     if hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
     start = -np.frombuffer(region, np.uint8).ctypes.data % HUGE_PAGE
@@ -468,7 +472,7 @@ def read_file(path: Path, nbytes: int, direct: bool) -> float:
         os.close(descriptor)
 
 
-def random_reads(path: Path, nbytes: int, direct: bool, seconds: float) -> float:
+def random_reads(path: Path, nbytes: int, direct: bool, seconds: float) -> tuple:
     """4 KiB reads at random offsets, one at a time (fio's psync, iodepth 1), each offset read once
     so that without O_DIRECT no read is served by a page an earlier read brought in. (reads, seconds)"""
     buffer = aligned_buffer(RANDOM_BLOCK)
@@ -498,20 +502,21 @@ def parallel(paths: list, work) -> float:
 
 def parallel_bytes(cfg: dict) -> int:
     """What the parallel phases move: --storage_MiB shared by the workers in whole blocks."""
-    return cfg["storage_MiB"] * MiB // cfg["storage_workers"] // STORAGE_BLOCK * STORAGE_BLOCK * cfg["storage_workers"]
+    shard = cfg["storage_MiB"] * MiB // cfg["storage_workers"] // STORAGE_BLOCK * STORAGE_BLOCK
+    return shard * cfg["storage_workers"]
 
 
 def storage_phases(folder: Path, cfg: dict, direct: bool) -> dict:
     """{phase: (unit, run)} in the order they run; run() gives (GB or reads, seconds)."""
     nbytes, workers = cfg["storage_MiB"] * MiB, cfg["storage_workers"]
     single, shards = folder / "sequential", [folder / f"parallel_{i}" for i in range(workers)]
-    shard = parallel_bytes(cfg) // workers
+    shard, moved = parallel_bytes(cfg) // workers, parallel_bytes(cfg) / GB
     return {
         "sequential_write": ("GB/s", lambda: (nbytes / GB, write_file(single, nbytes, direct))),
         "sequential_read": ("GB/s", lambda: (nbytes / GB, read_file(single, nbytes, direct))),
         "random_read_4k": ("IOPS", lambda: random_reads(single, nbytes, direct, cfg["random_read_seconds"])),
-        "parallel_write": ("GB/s", lambda: (shard * workers / GB, parallel(shards, lambda p: write_file(p, shard, direct)))),
-        "parallel_read": ("GB/s", lambda: (shard * workers / GB, parallel(shards, lambda p: read_file(p, shard, direct)))),
+        "parallel_write": ("GB/s", lambda: (moved, parallel(shards, lambda p: write_file(p, shard, direct)))),
+        "parallel_read": ("GB/s", lambda: (moved, parallel(shards, lambda p: read_file(p, shard, direct)))),
     }
 
 
@@ -609,7 +614,8 @@ def cpu_section(cfg: dict) -> dict:
         seconds = median_seconds(lambda: list(pool.map(zlib.compress, [data] * cores)), repeats=cfg["repeats"])
     result["zlib_all_cores_MB/s"] = len(data) * cores / seconds / 1e6
     values = np.random.default_rng(0).random(cfg["sort_Melem"] * 1_000_000)
-    result["sort_float64_Melem/s"] = cfg["sort_Melem"] / median_seconds(lambda: np.sort(values), repeats=cfg["repeats"])
+    seconds = median_seconds(lambda: np.sort(values), repeats=cfg["repeats"])
+    result["sort_float64_Melem/s"] = cfg["sort_Melem"] / seconds
     return result
 
 
@@ -651,11 +657,11 @@ def memory_section(cfg: dict) -> dict:
             # first touch by the threads that will use each slice, so a 2-socket node spreads the pages
             list(pool.map(lambda part: [x[part].fill_(1.0) for x in (a, b, c)], slices))
             for label, parts in (("1thread", [slice(0, n)]), ("all_cores", slices)):
-                copy = median_seconds(lambda: list(pool.map(lambda s: b[s].copy_(a[s]), parts)), repeats=cfg["repeats"])
-                triad = median_seconds(lambda: list(pool.map(lambda s: torch.add(b[s], c[s], alpha=3.0, out=a[s]), parts)),
-                                       repeats=cfg["repeats"])
-                result[f"copy_{label}_GB/s"] = stream_bytes("copy", n) / copy / GB
-                result[f"triad_{label}_GB/s"] = stream_bytes("triad", n) / triad / GB
+                kernels = {"copy": lambda s: b[s].copy_(a[s]),
+                           "triad": lambda s: torch.add(b[s], c[s], alpha=3.0, out=a[s])}
+                for kernel, run in kernels.items():
+                    seconds = median_seconds(lambda: list(pool.map(run, parts)), repeats=cfg["repeats"])
+                    result[f"{kernel}_{label}_GB/s"] = stream_bytes(kernel, n) / seconds / GB
             del a, b, c
     finally:
         torch.set_num_threads(threads)
@@ -778,7 +784,7 @@ def parse_args(argv=None):
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run (default: all)")
     parser.add_argument("--skip", default="", help="comma-separated sections not to run")
     parser.add_argument("--quick", action="store_true", help="small sizes and few repeats: a few seconds in all")
-    parser.add_argument("--storage_path", default="checkpoints", help="folder whose filesystem is tested (default: checkpoints)")
+    parser.add_argument("--storage_path", default="checkpoints", help="folder whose filesystem is tested")
     parser.add_argument("--report_dir", default="logs", help="where the YAML reports go (default: logs)")
     parser.add_argument("--storage_MiB", type=positive_int, help="bytes written per node (default 1024, --quick 64)")
     parser.add_argument("--storage_workers", type=positive_int, help="parallel writers/readers (default 8, --quick 4)")
@@ -890,7 +896,8 @@ def cluster_report(everyone: list, world: World, job: dict) -> dict:
         "nodes": {label[r["node_rank"]]: {"hostname": r["hostname"], "first_rank": r["rank"]} for r in leaders},
     }
     if "skipped" not in report["links"]:
-        report["links"]["pairs"] = {pair: figures for r in leaders for pair, figures in r["links"].get("pairs", {}).items()}
+        report["links"]["pairs"] = {pair: figures for r in leaders
+                                    for pair, figures in r["links"].get("pairs", {}).items()}
     if "skipped" not in report["storage"]:
         report["storage"] = {"aggregate": storage_aggregate(list(report["storage"].values())), **report["storage"]}
     report["checks"] = verdict_checks(report)
@@ -904,7 +911,9 @@ def node_report(report: dict, node: str) -> dict:
         figures = report[section]
         if "skipped" in figures:
             return figures
-        return {key: value for key, value in figures.items() if key.startswith(node + "/")} if section == "gpu" else figures[node]
+        if section == "gpu":
+            return {key: value for key, value in figures.items() if key.startswith(node + "/")}
+        return figures[node]
     return {"job": report["job"], "node": {node: report["nodes"][node]},
             **{section: mine(section) for section in ("gpu", "storage", "cpu", "memory")}}
 

@@ -14,7 +14,8 @@ huge pages are reserved (as root: echo 64 > /proc/sys/vm/nr_hugepages), when thi
 (virtio-blk: 254; a 1 MiB buffer of scattered 4 KiB pages has 256), fio measures its buffer.
 Memory: the memory section's STREAM copy and triad against plain numpy on the same array sizes
 (np.copyto; triad in cache-sized blocks so that memory sees STREAM's three arrays), one thread
-and one thread per core.
+and one thread per core; and, where gcc is there, against STREAM's own kernels in C (OpenMP,
+static schedule, compiled here with gcc -O3 -march=native -fopenmp), median time like ours.
 
 Each phase runs ours and the reference back to back, the order swapped every round, for --rounds
 rounds; each figure is the median over rounds, so a noisy neighbour hits both alike. Prints a
@@ -23,6 +24,7 @@ table of ours vs reference with ratios; the goal is within 15%. Exits 1 if fio i
 """
 import argparse
 import json
+import os
 import re
 import shutil
 import statistics
@@ -101,6 +103,50 @@ def numpy_memory(n_elements: int, cores: int, repeats: int) -> dict:
     return figures
 
 
+STREAM_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <omp.h>
+static int by_value(const void *x, const void *y) { double a = *(const double *)x, b = *(const double *)y; return (a > b) - (a < b); }
+int main(int argc, char **argv) {
+    long n = atol(argv[1]); int repeats = atoi(argv[2]);
+    double *a = malloc(n * 8), *b = malloc(n * 8), *c = malloc(n * 8), copy[64], triad[64];
+    #pragma omp parallel for schedule(static)
+    for (long i = 0; i < n; i++) { a[i] = 1.0; b[i] = 2.0; c[i] = 0.5; }
+    for (int r = 0; r <= repeats; r++) {  /* r = 0 is the warm-up */
+        double t0 = omp_get_wtime();
+        #pragma omp parallel for schedule(static)
+        for (long i = 0; i < n; i++) b[i] = a[i];
+        double t1 = omp_get_wtime();
+        #pragma omp parallel for schedule(static)
+        for (long i = 0; i < n; i++) a[i] = b[i] + 3.0 * c[i];
+        double t2 = omp_get_wtime();
+        if (r) { copy[r - 1] = t1 - t0; triad[r - 1] = t2 - t1; }
+    }
+    qsort(copy, repeats, 8, by_value); qsort(triad, repeats, 8, by_value);
+    printf("%g %g\n", 16.0 * n / copy[repeats / 2] / 1e9, 24.0 * n / triad[repeats / 2] / 1e9);
+    return 0;
+}
+"""
+
+
+def compile_stream(folder: Path) -> Path | None:
+    if not shutil.which("gcc"):
+        return None
+    (folder / "stream.c").write_text(STREAM_C)
+    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "stream.c", "-o", "stream"], cwd=folder, check=True)
+    return folder / "stream"
+
+
+def c_stream(program: Path, n_elements: int, cores: int, repeats: int) -> dict:
+    figures = {}
+    for label, threads in (("1thread", 1), ("all_cores", cores)):
+        output = subprocess.run([str(program), str(n_elements), str(repeats)], capture_output=True, text=True,
+                                check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+        figures[f"copy_{label}_GB/s"], figures[f"triad_{label}_GB/s"] = map(float, output.split())
+    return figures
+
+
 def compare_storage(cfg: dict, rounds: int, ours: dict, reference: dict) -> str:
     for round_number in range(rounds):
         mine = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=cfg["storage_path"]))
@@ -119,9 +165,12 @@ def compare_storage(cfg: dict, rounds: int, ours: dict, reference: dict) -> str:
     return "O_DIRECT" if direct else "fsync + posix_fadvise(DONTNEED)"
 
 
-def compare_memory(cfg: dict, rounds: int, ours: dict, reference: dict):
+def compare_memory(cfg: dict, rounds: int, ours: dict, reference: dict, stream: dict, program: Path | None):
+    n_elements, cores = cfg["memory_MiB"] * benchmark.MiB // 8, benchmark.usable_cores()
     runs = [(ours, lambda: benchmark.memory_section(cfg)),
-            (reference, lambda: numpy_memory(cfg["memory_MiB"] * benchmark.MiB // 8, benchmark.usable_cores(), cfg["repeats"]))]
+            (reference, lambda: numpy_memory(n_elements, cores, cfg["repeats"]))]
+    if program:
+        runs.append((stream, lambda: c_stream(program, n_elements, cores, cfg["repeats"])))
     for round_number in range(rounds):
         for figures, run in runs[::-1] if round_number % 2 else runs:
             for key, value in run().items():
@@ -146,18 +195,21 @@ def main() -> int:
     else:
         print("bench_accuracy.py: fio is not installed (Debian: apt-get install -y fio); comparing memory only",
               file=sys.stderr)
-    compare_memory(cfg, args.rounds, ours, reference)
+    stream = {}
+    with tempfile.TemporaryDirectory() as build:
+        compare_memory(cfg, args.rounds, ours, reference, stream, compile_stream(Path(build)))
     print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {benchmark.usable_cores()} cores; median of "
           f"{args.rounds} rounds; storage {Path(args.path).resolve()}, {args.storage_MiB} MiB, "
           f"{args.storage_workers} workers, {method}; memory 3 x {args.memory_MiB} MiB float64")
-    print(f"| figure | benchmark.py | reference | ratio | reference is |\n|---|---|---|---|---|")
+    print("| figure | benchmark.py | reference | ratio | reference is | STREAM in C | ratio |\n|---|---|---|---|---|---|---|")
     misses = 0
     for key in reference:
         mine, theirs = statistics.median(ours[key]), statistics.median(reference[key])
         missed = abs(mine / theirs - 1) > GOAL
         misses += missed
         source = "numpy" if key.startswith(("copy", "triad")) else "fio"
-        print(f"| {key} | {mine:.4g} | {theirs:.4g} | {mine / theirs:.2f}{' MISS' if missed else ''} | {source} |")
+        in_c = f"{statistics.median(stream[key]):.4g} | {mine / statistics.median(stream[key]):.2f}" if key in stream else "|"
+        print(f"| {key} | {mine:.4g} | {theirs:.4g} | {mine / theirs:.2f}{' MISS' if missed else ''} | {source} | {in_c} |")
     return 1 if misses or not shutil.which("fio") else 0
 
 
