@@ -121,7 +121,7 @@ BUSBW_FACTORS = {
     "all_to_all": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
 }
-STREAM_ARRAYS_MOVED = {"copy": 2, "scale": 2, "add": 3, "triad": 3}
+STREAM_ARRAYS_MOVED = {"copy": 2, "triad": 3}  # b = a; a = b + s*c
 
 
 def algbw_GBps(size_bytes: float, seconds: float) -> float:

@@ -4,6 +4,7 @@ and bad input."""
 import ctypes
 import mmap
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -68,7 +69,10 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
 
 def test_two_nodes_measure_links_between_them(tmp_path):
     """Two torchrun "nodes" on this machine, one rank each: ping-pong and one-rank-per-node collectives."""
-    command = [str(TORCHRUN), "--nnodes=2", "--nproc_per_node=1", "--master_addr=127.0.0.1", "--master_port=29731",
+    with socket.socket() as probe:  # a port nobody uses, so parallel test runs don't meet
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [str(TORCHRUN), "--nnodes=2", "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
                str(ROOT / "benchmark.py"), "--quick", "--only", "nccl,links", "--report_dir", str(tmp_path)]
     nodes = [subprocess.Popen(command[:1] + [f"--node_rank={n}"] + command[1:], cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
