@@ -4,6 +4,7 @@ and bad input."""
 import ctypes
 import mmap
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -175,6 +176,23 @@ def test_verdict_fails_a_slow_gpu_and_one_far_below_its_datasheet():
     assert {c["check"] for c in failures} == {"gpu matmul_bf16_TFLOPS", "gpu matmul_bf16_TFLOPS vs datasheet"}
     assert all("node0/gpu3" in c["value"] for c in failures)
     assert benchmark.verdict_checks(report)[0]["status"] == "fail"  # failures first
+
+
+def test_a_failing_check_makes_exit_status_1(tmp_path, monkeypatch, capsys):
+    """A node whose memory section breaks: the run goes on, the check fails first in the table, exit 1."""
+    def broken_memory(cfg):
+        raise OSError("simulated: a DIMM channel down")
+    monkeypatch.setattr(benchmark, "memory_section", broken_memory)
+    previous_handler = signal.getsignal(signal.SIGTERM)
+    try:
+        status = benchmark.main(["--only", "memory", "--report_dir", str(tmp_path)])
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+    assert status == 1
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].startswith("fail") and "memory on node0" in table[1] and "a DIMM channel down" in table[1]
+    assert table[-1].startswith("verdict: fail")
+    assert read_report(tmp_path)["verdict"] == "fail"
 
 
 def test_datasheet_matches_the_most_specific_name():
