@@ -8,10 +8,15 @@ Edit the constants below, or override any of them as --name=value (bare --flag m
 Read top to bottom: configuration, data, model, optimizer, logging, main().
 """
 import difflib
+import hashlib
 import json
 import math
 import os
+import re
+import shutil
+import signal
 import sys
+import tempfile
 import time
 import types
 from datetime import timedelta
@@ -48,13 +53,27 @@ seed: int = 1337
 sharding: str = "full"              # full (FULL_SHARD) | grad_op (SHARD_GRAD_OP) | hybrid (HYBRID_SHARD)
 activation_checkpointing: bool = True
 compile: bool = True                # torch.compile each transformer block
+# Checkpoints and fault tolerance
+checkpoint_dir: str = "checkpoints"
+run_name: str | None = None         # None: derived from the arguments, so a relaunch or requeue resumes
+checkpoint_every: int = 500         # steps; a checkpoint is also written at the end and on SIGTERM/SIGUSR1
+keep_last: int = 3                  # older step_N folders are removed; 0 keeps all
+ckpt_format: str = "sharded"        # sharded (DCP, every rank writes its shard) | full (one file from rank 0)
+async_checkpoint: bool = False      # write in the background while training goes on
+resume_from: str | None = None      # a step_N folder; None: the newest complete one of this run
+skip_optimizer: bool = False        # resume weights only, with a fresh optimizer and schedule
+max_bad_steps: int = 5              # stop after this many non-finite steps in a row
 # Logging
 log_every: int = 10
 log_dir: str = "logs"
 tensorboard: bool = True            # used when the tensorboard package is installed
 dry_run: bool = False               # print config, parameter count and memory estimate, then exit
 
-CHOICES = {"sharding": ("full", "grad_op", "hybrid"), "data": ("dummy",)}
+CHOICES = {"sharding": ("full", "grad_op", "hybrid"), "data": ("dummy",), "ckpt_format": ("sharded", "full")}
+# Options that change how a run is operated but not what it computes: left out of the default run_name.
+OPERATIONAL = {"run_name", "checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume_from",
+               "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run"}
+STOPPED_BY_SIGNAL = 75              # exit status after a signal-triggered checkpoint: the launcher requeues
 
 GPT2_VOCAB = 50257                  # token ids of the gpt2 tokenizer
 # GPT2Config shapes. 4b: 3072 wide (head size 128, the fast path of flash attention; a multiple
@@ -130,7 +149,8 @@ def check_config(cfg, shape, world_size):
     for name in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size"):
         if getattr(shape, name) <= 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(shape, name)}")
-    for name in ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every"):
+    for name in ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every", "checkpoint_every",
+                 "max_bad_steps"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
     if shape.n_embd % shape.n_head:
@@ -146,8 +166,24 @@ def check_config(cfg, shape, world_size):
         raise ConfigError(f"--max_steps must be positive, or -1 for num_epochs passes, got {cfg.max_steps}")
     if not 0 <= cfg.min_lr <= cfg.lr:
         raise ConfigError(f"--min_lr={cfg.min_lr} must lie between 0 and --lr={cfg.lr}")
-    if cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0:
-        raise ConfigError("--warmup_steps, --weight_decay and --grad_clip must not be negative")
+    if cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.keep_last < 0:
+        raise ConfigError("--warmup_steps, --weight_decay, --grad_clip and --keep_last must not be negative")
+    if cfg.resume_from is not None and not os.path.isfile(os.path.join(cfg.resume_from, "trainer_state.json")):
+        raise ConfigError(f"--resume_from={cfg.resume_from} is not a complete checkpoint folder (no trainer_state.json)")
+    if cfg.run_name is None:
+        identity = {k: v for k, v in vars(cfg).items() if k not in OPERATIONAL}
+        digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+        cfg.run_name = f"{cfg.model}-{digest}"
+    if cfg.dry_run:
+        return
+    run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as error:
+        raise ConfigError(f"--checkpoint_dir={cfg.checkpoint_dir} is not writable ({error.strerror}); "
+                          f"point it at a writable shared folder")
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,6 +327,156 @@ def lr_factor(step, cfg, total_steps):
 
 
 # --------------------------------------------------------------------------------------------
+# Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/, written under a temporary name and renamed
+# once every rank has finished, so a folder named step_<N> is always complete.
+# --------------------------------------------------------------------------------------------
+def newest_checkpoint(run_dir):
+    steps = [int(m.group(1)) for name in os.listdir(run_dir) if (m := re.fullmatch(r"step_(\d+)", name))]
+    return os.path.join(run_dir, f"step_{max(steps)}") if steps else None
+
+
+def model_and_optimizer_state(model, optimizer, full):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+class Checkpointer:
+    """Saves and restores everything an exact resume needs: model, optimizer, schedule, step, tokens
+    seen, data position, RNG states and the config. Tensors go through torch.distributed.checkpoint;
+    the rest is JSON and per-rank RNG tensors, so nothing is unpickled on load."""
+
+    def __init__(self, cfg, rank, world_size):
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name)
+        self.pending = None  # (future, temporary folder, final folder) of an async save still writing
+        # Background saves talk over their own group so they never interleave with training collectives.
+        self.group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+
+    def save(self, step, model, optimizer, scheduler, trainer_state):
+        import torch.distributed.checkpoint as dcp
+
+        self.finish()
+        final = os.path.join(self.run_dir, f"step_{step}")
+        temporary = final + ".tmp"
+        try:
+            if self.rank == 0:
+                shutil.rmtree(temporary, ignore_errors=True)  # left by a save that was killed
+                os.makedirs(temporary)
+            dist.barrier()
+            full = self.cfg.ckpt_format == "full"
+            model_state, optimizer_state = model_and_optimizer_state(model, optimizer, full)
+            state = {"model": model_state, "optimizer": optimizer_state}
+            if full:
+                if self.rank == 0:
+                    torch.save(state, os.path.join(temporary, "state_dict.pt"))
+            elif self.cfg.async_checkpoint:
+                self.pending = (dcp.async_save(state, checkpoint_id=temporary, process_group=self.group), temporary, final)
+            else:
+                dcp.save(state, checkpoint_id=temporary)
+            torch.save(rng_states(), os.path.join(temporary, f"rng_rank{self.rank}.pt"))
+            if self.rank == 0:
+                trainer_state = {**trainer_state, "scheduler": scheduler.state_dict(), "world_size": self.world_size}
+                with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
+                    json.dump(trainer_state, f, indent=1)
+        except OSError as error:
+            self.abandon(temporary, error)
+        if self.pending is None:
+            self.publish(temporary, final)
+
+    def finish(self):
+        """Waits for a background save, then publishes it."""
+        if self.pending is not None:
+            future, temporary, final = self.pending
+            self.pending = None
+            try:
+                future.result()
+            except OSError as error:
+                self.abandon(temporary, error)
+            self.publish(temporary, final)
+
+    def publish(self, temporary, final):
+        dist.barrier()
+        if self.rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(temporary, final)
+            steps = sorted(int(name[5:]) for name in os.listdir(self.run_dir) if re.fullmatch(r"step_\d+", name))
+            for old in steps[: -self.cfg.keep_last] if self.cfg.keep_last else []:
+                shutil.rmtree(os.path.join(self.run_dir, f"step_{old}"), ignore_errors=True)
+            print(f"checkpoint saved: {final}", flush=True)
+        dist.barrier()
+
+    def abandon(self, temporary, error):
+        shutil.rmtree(temporary, ignore_errors=True)
+        previous = newest_checkpoint(self.run_dir)
+        kept = f"the previous checkpoint {previous} is untouched" if previous else "there is no earlier checkpoint"
+        fail(f"writing checkpoint {temporary} failed ({error}); {kept}. Free space or fix permissions, then relaunch")
+
+    def load(self, path, model, optimizer, scheduler, shape):
+        """Restores a checkpoint written by save(); returns its trainer state."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            trainer_state = json.load(f)
+        changed = {k: (v, getattr(shape, k)) for k, v in trainer_state["shape"].items() if getattr(shape, k) != v}
+        if changed:
+            details = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+            fail(f"checkpoint {path} has another model shape ({details}); use another --run_name or --checkpoint_dir")
+        full_file = os.path.join(path, "state_dict.pt")
+        full = os.path.exists(full_file)
+        if full:  # memory-mapped: the ranks of a node share one copy in the page cache
+            state = torch.load(full_file, weights_only=True, mmap=True)
+        else:
+            model_state, optimizer_state = model_and_optimizer_state(model, optimizer, full=False)
+            state = {"model": model_state}
+            if not self.cfg.skip_optimizer:
+                state["optimizer"] = optimizer_state
+            dcp.load(state, checkpoint_id=path)
+        options = StateDictOptions(full_state_dict=full)
+        if self.cfg.skip_optimizer:  # fresh optimizer; the schedule of this run's config, at the resumed step
+            set_model_state_dict(model, state["model"], options=options)
+            scheduler.last_epoch = trainer_state["step"] - 1
+            scheduler.step()
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                           options=options)
+            scheduler.load_state_dict(trainer_state["scheduler"])
+        rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
+        if trainer_state["world_size"] == self.world_size and os.path.exists(rng_file):
+            restore_rng_states(torch.load(rng_file, weights_only=True))
+        return trainer_state
+
+
+def rng_states():
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng_states(states):
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+
+
+def export_pretrained(model, config, path, rank):
+    """The final weights as a transformers folder (safetensors + config): from_pretrained(path) loads it
+    with no code from this repo."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        plain = build_meta_model(config)
+        plain.load_state_dict(state, assign=True)
+        plain.tie_weights()
+        plain.save_pretrained(path)
+        print(f"model exported: {path}", flush=True)
+    dist.barrier()
+
+
+# --------------------------------------------------------------------------------------------
 # Logging
 # --------------------------------------------------------------------------------------------
 def peak_flops(device):
@@ -371,7 +557,15 @@ def main(argv):
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Workers restarted by torchrun --max-restarts meet in the same agent store as the failed attempt;
+        # without a per-attempt prefix they would read the dead workers' addresses and hang.
+        agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                    is_master=False, timeout=timedelta(minutes=30))
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
+                            world_size=world_size, timeout=timedelta(minutes=30))
     from torch.distributed.device_mesh import init_device_mesh
 
     if cfg.sharding == "hybrid":
@@ -395,16 +589,32 @@ def main(argv):
     model = build_model(config, cfg, device, mesh)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
-    batches = micro_batches(cfg, shape, world_size, rank, accumulation, 0, device)
+    checkpointer = Checkpointer(cfg, rank, world_size)
+    start_step, tokens_seen = 0, 0
+    resume_path = cfg.resume_from or newest_checkpoint(checkpointer.run_dir)
+    if resume_path:
+        trainer_state = checkpointer.load(resume_path, model, optimizer, scheduler, shape)
+        start_step, tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        if master:
+            print(f"resumed from {resume_path} at step {start_step}"
+                  f"{' (weights only, fresh optimizer)' if cfg.skip_optimizer else ''}", flush=True)
+    batches = micro_batches(cfg, shape, world_size, rank, accumulation, start_step, device)
     peak = peak_flops(device)
     flops_token = flops_per_token(config, n_params, cfg.seq_length)
+
+    # SLURM sends SIGUSR1 (--signal) before the time limit and SIGTERM on preemption: finish the step,
+    # checkpoint, exit. Any rank may get it; the flag is summed over ranks so all stop at the same step.
+    stop_requests = []
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(stop_signal, lambda signum, frame: stop_requests.append(signum))
 
     os.makedirs(cfg.log_dir, exist_ok=True)
     metrics_file = open(os.path.join(cfg.log_dir, "metrics.jsonl"), "a") if master else None
     writer = open_tensorboard(cfg) if master else None
     model.train()
     window_start, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
-    for step in range(total_steps):
+    bad_steps, last_saved = 0, start_step
+    for step in range(start_step, total_steps):
         for micro in range(accumulation):
             inputs, targets = next(batches)
             # Gradients are reduced only on the last micro-step; earlier ones accumulate locally.
@@ -416,12 +626,24 @@ def main(argv):
         max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        optimizer.step()
+        if torch.isfinite(grad_norm):  # the norm is global, so every rank takes the same branch
+            optimizer.step()
+            bad_steps = 0
+        else:
+            bad_steps += 1
+            if master:
+                print(f"step {step + 1}: non-finite loss or gradient norm, update skipped "
+                      f"({bad_steps} in a row, limit {cfg.max_bad_steps})", flush=True)
+            if bad_steps >= cfg.max_bad_steps:
+                kept = newest_checkpoint(checkpointer.run_dir) or "none written yet"
+                fail(f"stopping: {bad_steps} non-finite steps in a row (lower --lr or raise --warmup_steps); "
+                     f"last good checkpoint: {kept}")
         optimizer.zero_grad(set_to_none=True)
         lr_now = scheduler.get_last_lr()[0]
         scheduler.step()
+        tokens_seen += tokens_per_step
         window_steps += 1
-        if step == 0 and master:
+        if step == start_step and master:
             print(f"time to first step: {time.perf_counter() - start_time:.1f} s", flush=True)
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
             dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
@@ -438,6 +660,23 @@ def main(argv):
                 log_step(record, metrics_file, writer)
             window_start, window_steps = time.perf_counter(), 0
             loss_sum.zero_()
+        stop = torch.tensor(float(len(stop_requests)), device=device)
+        dist.all_reduce(stop)
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps or stop.item():
+            trainer_state = {"step": step + 1, "tokens_seen": tokens_seen, "data": {"step": step + 1},
+                             "shape": vars(shape), "config": vars(cfg)}
+            checkpointer.save(step + 1, model, optimizer, scheduler, trainer_state)
+            last_saved = step + 1
+        if stop.item():
+            checkpointer.finish()
+            if master:
+                print(f"stopped by signal after step {step + 1}; checkpoint saved, relaunch to resume", flush=True)
+            dist.barrier()
+            dist.destroy_process_group()
+            return STOPPED_BY_SIGNAL
+    checkpointer.finish()
+    if last_saved == total_steps:
+        export_pretrained(model, config, os.path.join(checkpointer.run_dir, "final_model"), rank)
     if master:
         print(f"done: {total_steps} steps in {time.perf_counter() - start_time:.1f} s", flush=True)
         metrics_file.close()

@@ -22,13 +22,16 @@ def free_port():
         return s.getsockname()[1]
 
 
+def torchrun_command(script, args, nproc, torchrun_args=()):
+    """script under torchrun with nproc CPU processes, or as a plain process when nproc is 0."""
+    if not nproc:
+        return [sys.executable, str(REPO / script), *args]
+    return [str(TORCHRUN), "--nnodes=1", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{free_port()}", *torchrun_args, str(REPO / script), *args]
+
+
 def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
-    """Runs script under torchrun with nproc CPU processes (or as a plain process when nproc is 0)."""
-    if nproc:
-        command = [str(TORCHRUN), "--nnodes=1", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-                   f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(REPO / script), *args]
-    else:
-        command = [sys.executable, str(REPO / script), *args]
+    command = torchrun_command(script, args, nproc)
     full_env = {**os.environ, "MASTER_PORT": str(free_port()), **(env or {})}
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 

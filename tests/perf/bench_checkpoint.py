@@ -1,0 +1,92 @@
+"""Checkpoint speed: save and load throughput of train.py's checkpoints next to the disk's own
+sequential write bandwidth, measured in the same run on the same folder.
+
+    python tests/perf/bench_checkpoint.py [--model=gpt2] [--dir=checkpoints/bench]
+
+Prints GB/s (GB = 1e9 bytes) for: a plain fsync'd sequential write of the same number of bytes,
+a synchronous sharded save, the time an async save blocks training, and a load.
+"""
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import train  # noqa: E402
+
+
+def disk_write_gbps(folder, n_bytes, chunk=64 << 20):
+    """Sequential write of n_bytes with one fsync at the end, as a checkpoint writer does."""
+    path = os.path.join(folder, "disk_probe.bin")
+    buffer = os.urandom(chunk)
+    start = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for _ in range(n_bytes // chunk):
+            f.write(buffer)
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    os.remove(path)
+    return n_bytes // chunk * chunk / seconds / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--dir", default="checkpoints/bench")
+    args = parser.parse_args()
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
+    dist.init_process_group("gloo")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = train.parse_args([f"--model={args.model}", "--compile=False", "--activation_checkpointing=False",
+                            f"--checkpoint_dir={args.dir}", "--run_name=bench", "--keep_last=0"])
+    shape = train.resolve_shape(cfg)
+    train.check_config(cfg, shape, 1)
+    config = train.model_config(shape)
+    device = torch.device("cpu")
+    model = train.build_model(config, cfg, device, init_device_mesh("cpu", (1,)))
+    optimizer = train.build_optimizer(model, cfg, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for param in model.parameters():  # one step so the AdamW moments exist and are saved
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    n_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # weights + 2 moments
+    state = {"step": 1, "tokens_seen": 0, "data": {}, "shape": vars(shape), "config": vars(cfg)}
+
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    disk = disk_write_gbps(args.dir, n_bytes)
+    checkpointer = train.Checkpointer(cfg, 0, 1)
+    start = time.perf_counter()
+    checkpointer.save(1, model, optimizer, scheduler, state)
+    sync_seconds = time.perf_counter() - start
+
+    cfg.async_checkpoint = True
+    async_checkpointer = train.Checkpointer(cfg, 0, 1)
+    start = time.perf_counter()
+    async_checkpointer.save(2, model, optimizer, scheduler, state)
+    blocked_seconds = time.perf_counter() - start
+    async_checkpointer.finish()
+
+    start = time.perf_counter()
+    checkpointer.load(os.path.join(args.dir, "bench", "step_1"), model, optimizer, scheduler, shape)
+    load_seconds = time.perf_counter() - start
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+    print(f"model {args.model}: {n_bytes / 1e9:.2f} GB of weights and AdamW moments (fp32)")
+    print(f"{'disk sequential write (fsync)':<34} {disk:6.2f} GB/s")
+    print(f"{'sharded save (sync)':<34} {n_bytes / sync_seconds / 1e9:6.2f} GB/s  "
+          f"{sync_seconds:6.2f} s  {n_bytes / sync_seconds / 1e9 / disk:5.0%} of the disk")
+    print(f"{'async save: training blocked for':<34} {blocked_seconds:6.2f} s  "
+          f"{blocked_seconds / sync_seconds:5.0%} of the sync save")
+    print(f"{'load':<34} {n_bytes / load_seconds / 1e9:6.2f} GB/s  {load_seconds:6.2f} s")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
