@@ -238,8 +238,12 @@ def token_dtype(tokenizer):
     return np.uint16 if len(tokenizer) <= 2**16 else np.uint32
 
 
+def corpus_files(path):
+    return [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "**", "*.*"), recursive=True))
+
+
 def load_document_splits(cfg, kind, name, config):
-    """train and validation splits of a hub dataset or a local corpus, as map-style datasets."""
+    """train and validation splits of wikitext or a local corpus, as map-style datasets."""
     from datasets import load_dataset
 
     cache_dir = os.path.join(cfg.data_cache, "hf")
@@ -251,24 +255,23 @@ def load_document_splits(cfg, kind, name, config):
                               f"is prepared in {cfg.data_cache}; run `python train.py --prepare_only --data={cfg.data} "
                               f"--tokenizer={cfg.tokenizer} --data_cache={cfg.data_cache}` on a machine with internet") from None
     else:
-        files = [name] if os.path.isfile(name) else sorted(glob.glob(os.path.join(name, "**", "*.*"), recursive=True))
-        formats = {os.path.splitext(path)[1] for path in files} & set(FILE_BUILDERS)
-        if len(formats) != 1:
-            found = f"mixes {', '.join(sorted(formats))}; keep one format per folder" if formats else "has no .txt, .jsonl or .parquet file"
-            raise ConfigError(f"--data={cfg.data} {found}")
+        files = corpus_files(name)
+        formats = sorted({os.path.splitext(path)[1] for path in files} & set(FILE_BUILDERS))
+        if len(formats) != 1:  # datasets would silently read only the most common format
+            raise ConfigError(f"--data={cfg.data} " + (f"mixes {', '.join(formats)}; keep one format per folder" if formats
+                                                       else "has no .txt, .jsonl or .parquet file"))
         if sum(os.path.getsize(path) for path in files) == 0:
             raise ConfigError(f"--data={cfg.data} holds no text")
-        builder = FILE_BUILDERS[formats.pop()]
-        # A folder's files named like train/validation/test are split by datasets' own naming rules.
+        # In a folder, files named like train/validation/test become those splits (datasets' naming rules).
         where = dict(data_files=name) if os.path.isfile(name) else dict(data_dir=name)
-        splits = load_dataset(builder, **where, cache_dir=cache_dir)
+        splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=cache_dir)
     if cfg.text_column not in splits["train"].column_names:
         raise ConfigError(f"--text_column={cfg.text_column} is not a column of --data={cfg.data}; "
                           f"columns: {', '.join(splits['train'].column_names)}")
     if "validation" not in splits:
         if splits["train"].num_rows < 2:
             raise ConfigError(f"--data={cfg.data} holds fewer than 2 documents, too few to hold some out for validation")
-        held_out = splits["train"].train_test_split(test_size=cfg.val_fraction, seed=0)  # fixed: same share every run
+        held_out = splits["train"].train_test_split(test_size=cfg.val_fraction, seed=0)  # fixed: the same share every run
         splits = {"train": held_out["train"], "validation": held_out["test"]}
     return splits
 
@@ -289,46 +292,42 @@ def read_sidecar(path):
         return None
 
 
-def write_token_file(documents, tokenizer, cfg, path, meta):
-    """Tokenises on every core of the node into one flat file, written under a temporary name and
-    renamed with its sidecar last, so a crash never leaves a file that looks complete."""
-    cores = len(os.sched_getaffinity(0))
-    tokens = documents.map(tokenize_documents(tokenizer, cfg.text_column), batched=True, num_proc=min(cores, max(1, documents.num_rows // 1000)),
-                           remove_columns=documents.column_names, desc=f"tokenizing {os.path.basename(path)}")
-    import pyarrow.compute as pc
-
-    dtype, digest, count = token_dtype(tokenizer), hashlib.blake2b(), 0
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "wb") as file:
-        for table in tokens.with_format("arrow").iter(batch_size=2**16):
-            ids = pc.list_flatten(table["input_ids"]).to_numpy().astype(dtype)
-            file.write(ids.tobytes())
-            digest.update(ids.tobytes())
-            count += len(ids)
-    os.replace(temporary, path)
-    with open(temporary, "w") as file:
-        json.dump({**meta, "tokens": count, "dtype": np.dtype(dtype).name, "blake2b": digest.hexdigest()}, file)
-    os.replace(temporary, path + ".json")
-    return count
-
-
 def prepare_token_files(cfg, kind, name, config, tokenizer):
-    """Paths of the train and validation token files of a map-style source, tokenised unless complete."""
-    files = [] if kind == "hub" else sorted(glob.glob(os.path.join(name, "**"), recursive=True))
+    """Paths of the train and validation token files of wikitext or a local corpus, tokenised on every
+    core of the node unless complete. Each is written under a temporary name and renamed, its sidecar
+    last, so a file cut short by a crash is never taken for complete."""
     meta = {"source": name, "config": config, "text_column": cfg.text_column, "val_fraction": cfg.val_fraction,
             "tokenizer": cfg.tokenizer, "vocab": len(tokenizer)}
-    # The files' sizes and times and the tokenizer's vocabulary are in the key: an edited corpus or tokenizer is prepared anew.
-    key = json.dumps([meta, [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files], sorted(tokenizer.get_vocab().items())])
-    folder = os.path.join(cfg.data_cache, f"{os.path.basename(name.rstrip('/'))}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+    # The corpus files' sizes and times and the vocabulary are in the key: an edited corpus or tokenizer is prepared anew.
+    files = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in (corpus_files(name) if kind == "local" else [])]
+    key = hashlib.sha256(json.dumps([meta, files, sorted(tokenizer.get_vocab().items())]).encode()).hexdigest()[:12]
+    folder = os.path.join(cfg.data_cache, f"{os.path.basename(name.rstrip('/'))}-{key}")
     paths = {split: os.path.join(folder, f"{split}.bin") for split in ("train", "validation")}
     if all(read_sidecar(path) for path in paths.values()):
         print(f"data: reusing prepared tokens in {folder}", flush=True)
         return paths
     print(f"data: tokenizing --data={cfg.data} with {cfg.tokenizer} into {folder}", flush=True)
     os.makedirs(folder, exist_ok=True)
+    import pyarrow.compute as pc
+
+    cores = len(os.sched_getaffinity(0))
     for split, documents in load_document_splits(cfg, kind, name, config).items():
-        if write_token_file(documents, tokenizer, cfg, paths[split], {**meta, "split": split}) == 0:
+        tokens = documents.map(tokenize_documents(tokenizer, cfg.text_column), batched=True, remove_columns=documents.column_names,
+                               num_proc=min(cores, max(1, documents.num_rows // 1000)), desc=f"tokenizing {split}")
+        digest, count, temporary = hashlib.blake2b(), 0, f"{paths[split]}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as file:
+            for table in tokens.with_format("arrow").iter(batch_size=2**16):
+                ids = pc.list_flatten(table["input_ids"]).to_numpy().astype(token_dtype(tokenizer))
+                ids.tofile(file)
+                digest.update(ids)
+                count += len(ids)
+        if count == 0:
             raise ConfigError(f"--data={cfg.data} holds no text in its {split} split")
+        os.replace(temporary, paths[split])
+        with open(temporary, "w") as file:
+            json.dump({**meta, "split": split, "tokens": count, "dtype": np.dtype(token_dtype(tokenizer)).name,
+                       "blake2b": digest.hexdigest()}, file)
+        os.replace(temporary, paths[split] + ".json")
     return paths
 
 
