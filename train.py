@@ -250,8 +250,8 @@ def load_document_splits(cfg, kind, name, config):
     if kind == "hub":
         try:
             splits = load_dataset(name, config, cache_dir=cache_dir)
-        except ConnectionError as error:
-            raise ConfigError(f"cannot reach the Hugging Face hub for {name} ({str(error).splitlines()[0]}) and nothing "
+        except OSError as error:  # unreachable (ConnectionError) or not there
+            raise ConfigError(f"cannot load {name} from the Hugging Face hub ({str(error).splitlines()[0]}) and nothing "
                               f"is prepared in {cfg.data_cache}; run `python train.py --prepare_only --data={cfg.data} "
                               f"--tokenizer={cfg.tokenizer} --data_cache={cfg.data_cache}` on a machine with internet") from None
     else:
@@ -399,6 +399,11 @@ class Batches:
         return windows[:, :-1], windows[:, 1:]
 
 
+def token_window(tokens, seq_length, index):
+    """Window index of a token file: seq_length + 1 tokens, sharing its first with the previous window's last."""
+    return tokens[index * seq_length: (index + 1) * seq_length + 1]
+
+
 @functools.lru_cache(maxsize=2)
 def epoch_order(n_windows, seed, epoch):
     return np.random.default_rng([seed, epoch]).permutation(n_windows)
@@ -446,12 +451,16 @@ class StreamingBatches(Batches):
         stream, buffer = self.position["stream"], list(self.position["buffer"])
         while True:
             self.documents.load_state_dict(stream)
+            tokens_read = 0
             for document in self.documents:
                 buffer += document["input_ids"]
+                tokens_read += len(document["input_ids"])
                 while len(buffer) >= self.batch_tokens:
                     windows = np.array(buffer[:self.batch_tokens], dtype=np.int64).reshape(self.batch_size, -1)
                     del buffer[:self.batch_tokens]
                     yield windows, {"stream": self.documents.state_dict(), "buffer": list(buffer)}
+            if not tokens_read:
+                raise ValueError("this rank's share of the stream holds no text")
             stream = self.start
 
 
@@ -462,8 +471,8 @@ def stream_splits(cfg, name, config, tokenizer, world_size, rank):
 
     try:
         splits = load_dataset(name, config, streaming=True)
-    except ConnectionError as error:
-        raise ConfigError(f"cannot reach the Hugging Face hub for {name} ({str(error).splitlines()[0]}); streaming "
+    except OSError as error:  # unreachable (ConnectionError) or not there
+        raise ConfigError(f"cannot load {name} from the Hugging Face hub ({str(error).splitlines()[0]}); streaming "
                           f"needs it during training: use a local copy as --data=PATH instead") from None
     columns = splits["train"].column_names
     if columns is not None and cfg.text_column not in columns:
@@ -492,9 +501,9 @@ def open_batches(cfg, source, shape, tokenizer, world_size, rank, accumulation, 
                           f"({cfg.global_batch_size} x {cfg.seq_length + 1}); lower --global_batch_size or --seq_length")
     if windows["validation"] < 1:
         raise ConfigError(f"the validation split of --data={cfg.data} is shorter than one sequence; raise --val_fraction")
-    window = lambda split: lambda index: tokens[split][index * cfg.seq_length: (index + 1) * cfg.seq_length + 1]
-    train = WindowBatches(window("train"), windows["train"], cfg, world_size, rank, accumulation, device, prefetch=True, shuffle=True)
-    evaluation = lambda: WindowBatches(window("validation"), windows["validation"], cfg, world_size, rank, 1, device,
+    window = {split: functools.partial(token_window, split_tokens, cfg.seq_length) for split, split_tokens in tokens.items()}
+    train = WindowBatches(window["train"], windows["train"], cfg, world_size, rank, accumulation, device, prefetch=True, shuffle=True)
+    evaluation = lambda: WindowBatches(window["validation"], windows["validation"], cfg, world_size, rank, 1, device,
                                        prefetch=False, shuffle=False)
     return train, evaluation, windows["train"] // cfg.global_batch_size
 
@@ -772,7 +781,9 @@ def main(argv):
             print(f"time to first step: {time.perf_counter() - start_time:.1f} s", flush=True)
         evaluating = validation_batches and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total_steps)
         if evaluating:
+            eval_start = time.perf_counter()
             val_loss = evaluate(model, validation_batches(), cfg.eval_batches, world_size)
+            window_start += time.perf_counter() - eval_start  # the step times and tokens/s leave evaluation out
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps or evaluating:
             dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
             elapsed = time.perf_counter() - window_start

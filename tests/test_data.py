@@ -163,7 +163,7 @@ def test_hub_source_without_network_or_prepared_tokens_names_the_prepare_command
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "cannot reach the Hugging Face hub for Salesforce/wikitext" in lines[0]
+    assert "cannot load Salesforce/wikitext from the Hugging Face hub (Couldn't reach" in lines[0]
     assert "python train.py --prepare_only --data=wikitext" in lines[0]
 
 

@@ -7,6 +7,7 @@ It writes its own corpus (Zipf-distributed made-up words, one document per line)
 BPE tokenizer on it, so it needs no network; the figures go to docs/PERFORMANCE.md by hand.
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -92,7 +93,7 @@ def main():
         cfg = SimpleNamespace(batch_size=args.batch_size, seq_length=args.seq_length, seed=0)
         tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
         n_windows = (len(tokens) - 1) // args.seq_length
-        window = lambda i: tokens[i * args.seq_length: (i + 1) * args.seq_length + 1]
+        window = functools.partial(train.token_window, tokens, args.seq_length)
         batch_tokens = args.batch_size * args.seq_length
         windows = train.WindowBatches(window, n_windows, cfg, world_size=8, rank=3, accumulation=4,
                                       device=torch.device("cpu"), prefetch=True, shuffle=True)
