@@ -180,6 +180,7 @@ def write_files(root, layout):
     ({"docs/a.jsonl": '{"body": "the cat sees a dog ."}\n' * 50}, ["--data=docs", "--text_column=content"],
      "--text_column=content is not a column of --data=docs; columns: body"),
     ({"mixed/a.txt": "x\n", "mixed/b.jsonl": '{"text": "y"}\n'}, ["--data=mixed"], "mixes .jsonl, .txt"),
+    ({"ok.txt": "the cat sees a dog .\n"}, ["--data=ok.txt", "--vocab_size=50"], "tokens, more than --vocab_size=50"),
 ])
 def test_bad_corpus_is_one_clear_line(tmp_path, tokenizer_dir, layout, args, message, capsys, monkeypatch):
     write_files(tmp_path, layout)
@@ -189,6 +190,15 @@ def test_bad_corpus_is_one_clear_line(tmp_path, tokenizer_dir, layout, args, mes
     # Only datasets' progress bars may come before the error line.
     assert message in err.strip().splitlines()[-1], err
     assert err.count("error:") == 1 and "Traceback" not in err, err
+
+
+def test_model_vocabulary_follows_the_tokenizer(tokenizer_dir, corpus, capsys):
+    from transformers import AutoTokenizer
+    import train as train_script
+
+    size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    train_script.main(["--dry_run", "--model=gpt2", f"--data={corpus}", f"--tokenizer={tokenizer_dir}"])
+    assert f"vocab={(size + 63) // 64 * 64}\n" in capsys.readouterr().out  # gpt2's preset has 50257
 
 
 def test_corpus_shorter_than_one_batch_is_one_clear_line(tmp_path, tokenizer_dir):
