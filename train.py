@@ -180,7 +180,7 @@ def dummy_sample(index, seq_length, vocab_size, seed):
     return block.repeat(seq_length // DUMMY_PERIOD + 1)[: seq_length + 1]
 
 
-HUB_SOURCES = {"wikitext": ("Salesforce/wikitext", "wikitext-103-raw-v1"), "c4": ("allenai/c4", "en")}
+HUB_SOURCES = {"wikitext": ("hub", "Salesforce/wikitext", "wikitext-103-raw-v1"), "c4": ("stream", "allenai/c4", "en")}
 FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -191,8 +191,7 @@ def parse_source(cfg):
     if cfg.data == "dummy":
         return "dummy", None, None
     if cfg.data in HUB_SOURCES:
-        kind = "stream" if cfg.data == "c4" else "hub"
-        source = (kind, *HUB_SOURCES[cfg.data])
+        source = HUB_SOURCES[cfg.data]
     elif cfg.data.startswith("hf:") and cfg.data[3:]:
         name, _, config = cfg.data[3:].partition(":")
         source = ("stream", name, config or None)
@@ -382,9 +381,6 @@ class Batches:
         if self.items is not None:
             raise RuntimeError("load_state_dict must come before the first batch")
         self.position = json.loads(json.dumps(state))
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         if self.items is None:
