@@ -22,7 +22,6 @@ import types
 from datetime import timedelta
 
 import numpy as np
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -38,7 +37,7 @@ n_head: int | None = None
 n_positions: int | None = None      # longest sequence the model can take
 vocab_size: int | None = None       # dummy data draws from it; real data: the tokenizer's size
 # Data and batch
-data: str = "dummy"                 # dummy | wikitext | c4 | hf:NAME[:CONFIG] (streamed) | a .txt file or a folder of .txt/.jsonl/.parquet
+data: str = "dummy"                 # dummy | wikitext | c4 | hf:NAME[:CONFIG] | a .txt file or a folder (docs/DATA.md)
 batch_size: int = 8                 # sequences per device per micro-step
 seq_length: int | None = None       # tokens per sequence; None: the model's n_positions
 global_batch_size: int = 256        # sequences per optimizer step, whatever the number of processes
@@ -483,7 +482,7 @@ def open_batches(cfg, source, shape, tokenizer, world_size, rank, accumulation, 
     kind, name, config = source
     if kind == "dummy":
         window = lambda index: dummy_sample(index, cfg.seq_length, shape.vocab_size, cfg.seed).numpy()
-        batches = WindowBatches(window, DUMMY_EPOCH_SAMPLES, cfg, world_size, rank, accumulation, device, True, shuffle=False)
+        batches = WindowBatches(window, DUMMY_EPOCH_SAMPLES, cfg, world_size, rank, accumulation, device, prefetch=True, shuffle=False)
         return batches, None, DUMMY_EPOCH_SAMPLES // cfg.global_batch_size
     if kind == "stream":
         train, validation = stream_splits(cfg, name, config, tokenizer, world_size, rank)
