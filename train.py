@@ -684,7 +684,8 @@ def main(argv):
         if source[0] not in ("hub", "local"):
             fail(f"--prepare_only prepares wikitext or a local path; --data={cfg.data} needs no preparation")
         try:
-            prepare_token_files(cfg, *source, tokenizer)
+            if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, one process is enough
+                prepare_token_files(cfg, *source, tokenizer)
         except ConfigError as error:
             fail(error)
         return 0
