@@ -8,19 +8,24 @@ Edit the constants below, or override any of them as --name=value (bare --flag m
 Read top to bottom: configuration, data, model, optimizer, logging, main().
 """
 import difflib
+import functools
+import glob
 import hashlib
 import json
 import math
 import os
+import queue
 import re
 import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import types
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -36,12 +41,20 @@ n_head: int | None = None
 n_positions: int | None = None      # longest sequence the model can take
 vocab_size: int | None = None       # dummy data draws from it; real data: the tokenizer's size
 # Data and batch
-data: str = "dummy"                 # dummy: synthetic learnable tokens
+data: str = "dummy"                 # dummy | wikitext | c4 | hf:NAME[:CONFIG] | a .txt file or a folder (docs/DATA.md)
 batch_size: int = 8                 # sequences per device per micro-step
 seq_length: int | None = None       # tokens per sequence; None: the model's n_positions
 global_batch_size: int = 256        # sequences per optimizer step, whatever the number of processes
 num_epochs: int = 1
 max_steps: int = -1                 # -1: num_epochs passes over the data
+# Data
+tokenizer: str = "gpt2"             # AutoTokenizer name or local folder (real data); the vocabulary follows it
+text_column: str = "text"           # the column of .jsonl/.parquet/hub data holding the text
+val_fraction: float = 0.005         # share of a local corpus held out for validation when it has no validation file
+data_cache: str = "data_cache"      # prepared token files (and hub downloads); put it on shared storage
+prepare_only: bool = False          # tokenise --data into data_cache, then exit (a login node with internet)
+eval_every: int = 500               # validation loss every this many steps and at the end; 0: never
+eval_batches: int = 20              # micro-batches per rank in each evaluation
 # Optimizer: AdamW, linear warm-up then cosine decay to min_lr
 lr: float = 3e-4
 min_lr: float = 3e-5
@@ -69,10 +82,11 @@ log_dir: str = "logs"
 tensorboard: bool = True            # used when the tensorboard package is installed
 dry_run: bool = False               # print config, parameter count and memory estimate, then exit
 
-CHOICES = {"sharding": ("full", "grad_op", "hybrid"), "data": ("dummy",), "ckpt_format": ("sharded", "full")}
+CHOICES = {"sharding": ("full", "grad_op", "hybrid"), "ckpt_format": ("sharded", "full")}
 # Options that change how a run is operated but not what it computes: left out of the default run_name.
 OPERATIONAL = {"run_name", "checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume_from",
-               "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run"}
+               "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
+               "prepare_only", "eval_every", "eval_batches"}
 STOPPED_BY_SIGNAL = 75              # exit status after a signal-triggered checkpoint: the launcher requeues
 
 GPT2_VOCAB = 50257                  # token ids of the gpt2 tokenizer
@@ -201,18 +215,339 @@ def dummy_sample(index, seq_length, vocab_size, seed):
     return block.repeat(seq_length // DUMMY_PERIOD + 1)[: seq_length + 1]
 
 
-def micro_batches(cfg, shape, world_size, rank, accumulation, start_step, device):
-    """Yields (inputs, targets) for every micro-step from start_step on; rank r of micro-step m reads
-    samples m·B·W + r·B ... of the global batch, so accumulation and world size only split it."""
-    step = start_step
+HUB_SOURCES = {"wikitext": ("hub", "Salesforce/wikitext", "wikitext-103-raw-v1"), "c4": ("stream", "allenai/c4", "en")}
+FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def parse_source(cfg):
+    """(kind, name, config) of --data; kind is dummy, hub or local (prepared token files) or stream."""
+    if not 0 < cfg.val_fraction < 1 or cfg.eval_every < 0 or cfg.eval_batches <= 0:
+        raise ConfigError("--val_fraction must lie between 0 and 1, --eval_every must not be negative, --eval_batches must be positive")
+    if cfg.data == "dummy":
+        return "dummy", None, None
+    if cfg.data in HUB_SOURCES:
+        source = HUB_SOURCES[cfg.data]
+    elif cfg.data.startswith("hf:") and cfg.data[3:]:
+        name, _, config = cfg.data[3:].partition(":")
+        source = ("stream", name, config or None)
+    elif os.path.exists(cfg.data):
+        source = ("local", os.path.abspath(cfg.data), None)
+    else:
+        raise ConfigError(f"--data={cfg.data}: no such file or folder, and not one of dummy, wikitext, c4, hf:NAME[:CONFIG]")
+    if source[0] == "stream" and cfg.max_steps == -1:
+        raise ConfigError(f"--data={cfg.data} is streamed and has no known length: set --max_steps")
+    return source
+
+
+def load_tokenizer(cfg, shape):
+    """The tokenizer of real data (None for dummy data); the model's vocabulary becomes its size."""
+    if cfg.data == "dummy":
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot load tokenizer {cfg.tokenizer!r} ({str(error).splitlines()[0]}); "
+                          f"`python train.py --prepare_only --data={cfg.data} --tokenizer={cfg.tokenizer}` "
+                          f"on a machine with internet caches it") from None
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"tokenizer {cfg.tokenizer!r} has no EOS token to separate documents with")
+    if cfg.vocab_size is not None and len(tokenizer) > cfg.vocab_size:
+        raise ConfigError(f"tokenizer {cfg.tokenizer!r} has {len(tokenizer)} tokens, more than --vocab_size={cfg.vocab_size}")
+    shape.vocab_size = cfg.vocab_size or len(tokenizer)
+    return tokenizer
+
+
+def tokenize_documents(tokenizer, column):
+    """A batched map function: each non-blank text becomes its token ids followed by EOS."""
+    def tokenize(batch):
+        texts = [text or "" for text in batch[column]]
+        ids = tokenizer(texts, verbose=False)["input_ids"]
+        return {"input_ids": [doc + [tokenizer.eos_token_id] if text.strip() else [] for text, doc in zip(texts, ids)]}
+    return tokenize
+
+
+def token_dtype(tokenizer):
+    return np.uint16 if len(tokenizer) <= 2**16 else np.uint32
+
+
+def corpus_files(path):
+    return [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "**", "*.*"), recursive=True))
+
+
+def load_document_splits(cfg, kind, name, config):
+    """train and validation splits of wikitext or a local corpus, as map-style datasets."""
+    from datasets import load_dataset
+
+    cache_dir = os.path.join(cfg.data_cache, "hf")
+    if kind == "hub":
+        try:
+            splits = load_dataset(name, config, cache_dir=cache_dir)
+        except OSError as error:  # unreachable (ConnectionError) or not there
+            raise ConfigError(f"cannot load {name} from the Hugging Face hub ({str(error).splitlines()[0]}) and nothing "
+                              f"is prepared in {cfg.data_cache}; run `python train.py --prepare_only --data={cfg.data} "
+                              f"--tokenizer={cfg.tokenizer} --data_cache={cfg.data_cache}` on a machine with internet") from None
+    else:
+        files = corpus_files(name)
+        formats = sorted({os.path.splitext(path)[1] for path in files} & set(FILE_BUILDERS))
+        if len(formats) != 1:  # datasets would silently read only the most common format
+            raise ConfigError(f"--data={cfg.data} " + (f"mixes {', '.join(formats)}; keep one format per folder" if formats
+                                                       else "has no .txt, .jsonl or .parquet file"))
+        if sum(os.path.getsize(path) for path in files) == 0:
+            raise ConfigError(f"--data={cfg.data} holds no text")
+        # In a folder, files named like train/validation/test become those splits (datasets' naming rules).
+        where = dict(data_files=name) if os.path.isfile(name) else dict(data_dir=name)
+        splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=cache_dir)
+    if cfg.text_column not in splits["train"].column_names:
+        raise ConfigError(f"--text_column={cfg.text_column} is not a column of --data={cfg.data}; "
+                          f"columns: {', '.join(splits['train'].column_names)}")
+    if "validation" not in splits:
+        if splits["train"].num_rows < 2:
+            raise ConfigError(f"--data={cfg.data} holds fewer than 2 documents, too few to hold some out for validation")
+        held_out = splits["train"].train_test_split(test_size=cfg.val_fraction, seed=0)  # fixed: the same share every run
+        splits = {"train": held_out["train"], "validation": held_out["test"]}
+    return splits
+
+
+def read_sidecar(path):
+    """The sidecar of a complete token file; None when either is missing, truncated or corrupt."""
+    try:
+        with open(path + ".json") as file:
+            meta = json.load(file)
+        if os.path.getsize(path) != meta["tokens"] * np.dtype(meta["dtype"]).itemsize:
+            return None
+        digest = hashlib.blake2b()
+        with open(path, "rb") as file:
+            while chunk := file.read(2**26):
+                digest.update(chunk)
+        return meta if digest.hexdigest() == meta["blake2b"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def prepare_token_files(cfg, kind, name, config, tokenizer):
+    """Paths of the train and validation token files of wikitext or a local corpus, tokenised on every
+    core of the node unless complete. Each is written under a temporary name and renamed, its sidecar
+    last, so a file cut short by a crash is never taken for complete."""
+    meta = {"source": name, "config": config, "text_column": cfg.text_column, "val_fraction": cfg.val_fraction,
+            "tokenizer": cfg.tokenizer, "vocab": len(tokenizer)}
+    # The corpus files' sizes and times and the vocabulary are in the key: an edited corpus or tokenizer is prepared anew.
+    files = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in (corpus_files(name) if kind == "local" else [])]
+    key = hashlib.sha256(json.dumps([meta, files, sorted(tokenizer.get_vocab().items())]).encode()).hexdigest()[:12]
+    folder = os.path.join(cfg.data_cache, f"{os.path.basename(name.rstrip('/'))}-{key}")
+    paths = {split: os.path.join(folder, f"{split}.bin") for split in ("train", "validation")}
+    if all(read_sidecar(path) for path in paths.values()):
+        print(f"data: reusing prepared tokens in {folder}", flush=True)
+        return paths
+    print(f"data: tokenizing --data={cfg.data} with {cfg.tokenizer} into {folder}", flush=True)
+    os.makedirs(folder, exist_ok=True)
+    import pyarrow.compute as pc
+
+    cores = len(os.sched_getaffinity(0))
+    for split, documents in load_document_splits(cfg, kind, name, config).items():
+        tokens = documents.map(tokenize_documents(tokenizer, cfg.text_column), batched=True, remove_columns=documents.column_names,
+                               num_proc=min(cores, max(1, documents.num_rows // 1000)), desc=f"tokenizing {split}")
+        digest, count, temporary = hashlib.blake2b(), 0, f"{paths[split]}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as file:
+            for table in tokens.with_format("arrow").iter(batch_size=2**16):
+                ids = pc.list_flatten(table["input_ids"]).to_numpy().astype(token_dtype(tokenizer))
+                ids.tofile(file)
+                digest.update(ids)
+                count += len(ids)
+        if count == 0:
+            raise ConfigError(f"--data={cfg.data} holds no text in its {split} split")
+        os.replace(temporary, paths[split])
+        with open(temporary, "w") as file:
+            json.dump({**meta, "split": split, "tokens": count, "dtype": np.dtype(token_dtype(tokenizer)).name,
+                       "blake2b": digest.hexdigest()}, file)
+        os.replace(temporary, paths[split] + ".json")
+    return paths
+
+
+def shared_token_files(cfg, kind, name, config, tokenizer, rank):
+    """Global rank 0 prepares; the others wait (for hours if need be) and get its paths or its error."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=12))
+    outcome = [None]
+    if rank == 0:
+        try:
+            outcome = [prepare_token_files(cfg, kind, name, config, tokenizer)]
+        except ConfigError as error:
+            outcome = [error]
+    dist.broadcast_object_list(outcome, src=0, group=group)
+    if isinstance(outcome[0], ConfigError):
+        raise outcome[0]
+    return outcome[0]
+
+
+def prefetched(items, depth):
+    """items produced up to depth ahead by a daemon thread, so reading and tokenising overlap the
+    training step; an error in the thread is raised here."""
+    ahead = queue.Queue(depth)
+
+    def produce():
+        try:
+            for item in items:
+                ahead.put(item)
+        except Exception as error:
+            ahead.put(error)
+
+    threading.Thread(target=produce, daemon=True).start()
     while True:
-        for micro in range(accumulation):
-            first = step * cfg.global_batch_size + (micro * world_size + rank) * cfg.batch_size
-            windows = torch.stack([dummy_sample(first + i, cfg.seq_length, shape.vocab_size, cfg.seed) for i in range(cfg.batch_size)])
-            if device.type == "cuda":
-                windows = windows.pin_memory().to(device, non_blocking=True)
-            yield windows[:, :-1], windows[:, 1:]
-        step += 1
+        item = ahead.get()
+        if isinstance(item, Exception):
+            raise item
+        yield item
+
+
+class Batches:
+    """This rank's micro-batches (inputs, targets). state_dict() is the json-able position after the
+    last completed optimizer step (every accumulation-th micro-batch), whatever was read ahead;
+    load_state_dict() restores it before the first batch is taken."""
+
+    def __init__(self, accumulation, device, prefetch):
+        self.accumulation, self.device, self.prefetch = accumulation, device, prefetch
+        self.items, self.taken, self.position = None, 0, None
+
+    def state_dict(self):
+        return json.loads(json.dumps(self.position))
+
+    def load_state_dict(self, state):
+        if self.items is not None:
+            raise RuntimeError("load_state_dict must come before the first batch")
+        self.position = json.loads(json.dumps(state))
+
+    def __next__(self):
+        if self.items is None:
+            self.items = prefetched(self.produce(), 4 * self.accumulation) if self.prefetch else self.produce()
+        windows, position = next(self.items)
+        self.taken += 1
+        if self.taken % self.accumulation == 0:
+            self.position = position
+        windows = torch.from_numpy(windows)
+        if self.device.type == "cuda":
+            windows = windows.pin_memory().to(self.device, non_blocking=True)
+        return windows[:, :-1], windows[:, 1:]
+
+
+def token_window(tokens, seq_length, index):
+    """Window index of a token file: seq_length + 1 tokens, sharing its first with the previous window's last."""
+    return tokens[index * seq_length: (index + 1) * seq_length + 1]
+
+
+@functools.lru_cache(maxsize=2)
+def epoch_order(n_windows, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(n_windows)
+
+
+class WindowBatches(Batches):
+    """window(i) is window i of n_windows. Sample g of the run is window g mod n of epoch g // n, in
+    a seeded order per epoch when shuffled; rank r of micro-step m of step k reads samples
+    k·G + (m·W + r)·B ..., so the global batch of a step is the same for every world size. The
+    position {epoch, offset} is the first sample of the next step."""
+
+    def __init__(self, window, n_windows, cfg, world_size, rank, accumulation, device, prefetch, shuffle):
+        super().__init__(accumulation, device, prefetch)
+        self.window, self.n_windows, self.world_size, self.rank = window, n_windows, world_size, rank
+        self.batch_size, self.seed, self.shuffle = cfg.batch_size, cfg.seed, shuffle
+        self.step_samples = accumulation * world_size * cfg.batch_size
+        self.position = {"epoch": 0, "offset": 0}
+
+    def produce(self):
+        step = (self.position["epoch"] * self.n_windows + self.position["offset"]) // self.step_samples
+        while True:
+            epoch, offset = divmod((step + 1) * self.step_samples, self.n_windows)
+            for micro in range(self.accumulation):
+                first = step * self.step_samples + (micro * self.world_size + self.rank) * self.batch_size
+                rows = []
+                for sample in range(first, first + self.batch_size):
+                    sample_epoch, index = divmod(sample, self.n_windows)
+                    rows.append(self.window(epoch_order(self.n_windows, self.seed, sample_epoch)[index] if self.shuffle else index))
+                yield np.stack(rows).astype(np.int64), {"epoch": epoch, "offset": offset}
+            step += 1
+
+
+class StreamingBatches(Batches):
+    """Packs a tokenised stream on the fly: documents joined by EOS and cut into batch_size windows
+    of seq_length + 1; after the stream's end it starts again. The position is the stream's own
+    state plus the tokens it read but has not used."""
+
+    def __init__(self, documents, cfg, accumulation, device, prefetch):
+        super().__init__(accumulation, device, prefetch)
+        self.documents, self.batch_size, self.batch_tokens = documents, cfg.batch_size, cfg.batch_size * (cfg.seq_length + 1)
+        self.start = documents.state_dict()
+        self.position = {"stream": self.start, "buffer": []}
+
+    def produce(self):
+        stream, buffer = self.position["stream"], list(self.position["buffer"])
+        while True:
+            self.documents.load_state_dict(stream)
+            tokens_read = 0
+            for document in self.documents:
+                buffer += document["input_ids"]
+                tokens_read += len(document["input_ids"])
+                while len(buffer) >= self.batch_tokens:
+                    windows = np.array(buffer[:self.batch_tokens], dtype=np.int64).reshape(self.batch_size, -1)
+                    del buffer[:self.batch_tokens]
+                    yield windows, {"stream": self.documents.state_dict(), "buffer": list(buffer)}
+            if not tokens_read:
+                raise ValueError("this rank's share of the stream holds no text")
+            stream = self.start
+
+
+def stream_splits(cfg, name, config, tokenizer, world_size, rank):
+    """This rank's share of the tokenised train and validation (None if absent) streams of a hub dataset."""
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
+
+    try:
+        splits = load_dataset(name, config, streaming=True)
+    except OSError as error:  # unreachable (ConnectionError) or not there
+        raise ConfigError(f"cannot load {name} from the Hugging Face hub ({str(error).splitlines()[0]}); streaming "
+                          f"needs it during training: use a local copy as --data=PATH instead") from None
+    columns = splits["train"].column_names
+    if columns is not None and cfg.text_column not in columns:
+        raise ConfigError(f"--text_column={cfg.text_column} is not a column of --data={cfg.data}; columns: {', '.join(columns)}")
+    tokenize = tokenize_documents(tokenizer, cfg.text_column)
+    return [split_dataset_by_node(splits[split], rank=rank, world_size=world_size).map(tokenize, batched=True)
+            if split in splits else None for split in ("train", "validation")]
+
+
+def open_batches(cfg, source, shape, tokenizer, world_size, rank, accumulation, device):
+    """(training batches, a function returning fresh validation batches or None, steps per epoch or None)."""
+    kind, name, config = source
+    if kind == "dummy":
+        window = lambda index: dummy_sample(index, cfg.seq_length, shape.vocab_size, cfg.seed).numpy()
+        batches = WindowBatches(window, DUMMY_EPOCH_SAMPLES, cfg, world_size, rank, accumulation, device, prefetch=True, shuffle=False)
+        return batches, None, DUMMY_EPOCH_SAMPLES // cfg.global_batch_size
+    if kind == "stream":
+        train, validation = stream_splits(cfg, name, config, tokenizer, world_size, rank)
+        evaluation = (lambda: StreamingBatches(validation, cfg, 1, device, prefetch=False)) if validation else None
+        return StreamingBatches(train, cfg, accumulation, device, prefetch=True), evaluation, None
+    paths = shared_token_files(cfg, kind, name, config, tokenizer, rank)
+    tokens = {split: np.memmap(path, dtype=token_dtype(tokenizer), mode="r") for split, path in paths.items()}
+    windows = {split: (len(split_tokens) - 1) // cfg.seq_length for split, split_tokens in tokens.items()}
+    if windows["train"] < cfg.global_batch_size:
+        raise ConfigError(f"--data={cfg.data} has {len(tokens['train']):,} training tokens, fewer than one global batch "
+                          f"({cfg.global_batch_size} x {cfg.seq_length + 1}); lower --global_batch_size or --seq_length")
+    if windows["validation"] < 1:
+        raise ConfigError(f"the validation split of --data={cfg.data} is shorter than one sequence; raise --val_fraction")
+    window = {split: functools.partial(token_window, split_tokens, cfg.seq_length) for split, split_tokens in tokens.items()}
+    train = WindowBatches(window["train"], windows["train"], cfg, world_size, rank, accumulation, device, prefetch=True, shuffle=True)
+    evaluation = lambda: WindowBatches(window["validation"], windows["validation"], cfg, world_size, rank, 1, device,
+                                       prefetch=False, shuffle=False)
+    return train, evaluation, windows["train"] // cfg.global_batch_size
+
+
+@torch.no_grad()
+def evaluate(model, batches, n_batches, world_size):
+    """Mean validation loss over n_batches micro-batches of every rank."""
+    model.eval()
+    total = sum(F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1).float(), targets.flatten())
+                for inputs, targets in (next(batches) for _ in range(n_batches)))
+    model.train()
+    dist.all_reduce(total)
+    return total.item() / (n_batches * world_size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,7 +679,8 @@ def model_and_optimizer_state(model, optimizer, full):
 class Checkpointer:
     """Saves and restores everything an exact resume needs: model, optimizer, schedule, step, tokens
     seen, data position, RNG states and the config. Tensors go through torch.distributed.checkpoint;
-    the rest is JSON and per-rank RNG tensors, so nothing is unpickled on load."""
+    the rest is JSON and a small per-rank file of RNG states and data position, read with
+    weights_only=True, so nothing is unpickled on load."""
 
     def __init__(self, cfg, rank, world_size):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
@@ -353,7 +689,7 @@ class Checkpointer:
         # Background saves talk over their own group so they never interleave with training collectives.
         self.group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
 
-    def save(self, step, model, optimizer, scheduler, trainer_state):
+    def save(self, step, model, optimizer, scheduler, batches, trainer_state):
         import torch.distributed.checkpoint as dcp
 
         self.finish()
@@ -374,9 +710,11 @@ class Checkpointer:
                 self.pending = (dcp.async_save(state, checkpoint_id=temporary, process_group=self.group), temporary, final)
             else:
                 dcp.save(state, checkpoint_id=temporary)
-            torch.save(rng_states(), os.path.join(temporary, f"rng_rank{self.rank}.pt"))
+            # The data position is per rank for streams; RNG states are per rank always.
+            torch.save({"rng": rng_states(), "data": batches.state_dict()}, os.path.join(temporary, f"rank{self.rank}.pt"))
             if self.rank == 0:
-                trainer_state = {**trainer_state, "scheduler": scheduler.state_dict(), "world_size": self.world_size}
+                trainer_state = {**trainer_state, "scheduler": scheduler.state_dict(), "world_size": self.world_size,
+                                 "data": batches.state_dict()}
                 with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
                     json.dump(trainer_state, f, indent=1)
         except OSError as error:
@@ -412,7 +750,7 @@ class Checkpointer:
         kept = f"the previous checkpoint {previous} is untouched" if previous else "there is no earlier checkpoint"
         fail(f"writing checkpoint {temporary} failed ({error}); {kept}. Free space or fix permissions, then relaunch")
 
-    def load(self, path, model, optimizer, scheduler, shape):
+    def load(self, path, model, optimizer, scheduler, shape, batches):
         """Restores a checkpoint written by save(); returns its trainer state."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
@@ -442,9 +780,16 @@ class Checkpointer:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                            options=options)
             scheduler.load_state_dict(trainer_state["scheduler"])
-        rng_file = os.path.join(path, f"rng_rank{self.rank}.pt")
-        if trainer_state["world_size"] == self.world_size and os.path.exists(rng_file):
-            restore_rng_states(torch.load(rng_file, weights_only=True))
+        rank_file = os.path.join(path, f"rank{self.rank}.pt")
+        if trainer_state["world_size"] == self.world_size:
+            rank_state = torch.load(rank_file, weights_only=True)
+            restore_rng_states(rank_state["rng"])
+            batches.load_state_dict(rank_state["data"])
+        elif isinstance(batches, StreamingBatches):
+            fail(f"checkpoint {path} of a streamed run was written by {trainer_state['world_size']} processes: "
+                 f"a stream's position cannot be split anew, so resume it with {trainer_state['world_size']}")
+        else:  # window positions do not depend on the world size
+            batches.load_state_dict(trainer_state["data"])
         return trainer_state
 
 
@@ -461,9 +806,9 @@ def restore_rng_states(states):
         torch.cuda.set_rng_state(states["cuda"])
 
 
-def export_pretrained(model, config, path, rank):
-    """The final weights as a transformers folder (safetensors + config): from_pretrained(path) loads it
-    with no code from this repo."""
+def export_pretrained(model, config, tokenizer, path, rank):
+    """The final weights as a transformers folder (safetensors, config and the tokenizer of real data):
+    from_pretrained(path) loads it with no code from this repo."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -472,6 +817,8 @@ def export_pretrained(model, config, path, rank):
         plain.load_state_dict(state, assign=True)
         plain.tie_weights()
         plain.save_pretrained(path)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
         print(f"model exported: {path}", flush=True)
     dist.barrier()
 
@@ -504,14 +851,15 @@ def log_step(record, metrics_file, writer):
     mem = f"{record['peak_mem_GB']:.1f} GB" if record["peak_mem_GB"] is not None else "-"
     print(f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
           f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-          f"{record['samples_per_s']:.1f} samples/s | step {record['step_time_s']:.3f} s | MFU {mfu} | mem {mem}",
+          f"{record['samples_per_s']:.1f} samples/s | step {record['step_time_s']:.3f} s | MFU {mfu} | mem {mem}"
+          + (f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}" if "val_loss" in record else ""),
           flush=True)
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
     if writer is not None:
         for key, value in record.items():
             if key != "step" and value is not None:
-                writer.add_scalar(f"train/{key}", value, record["step"])
+                writer.add_scalar(f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}", value, record["step"])
 
 
 def fail(message):
@@ -524,11 +872,24 @@ def main(argv):
     try:
         cfg = parse_args(argv)
         shape = resolve_shape(cfg)
+        source = parse_source(cfg)
+        tokenizer = load_tokenizer(cfg, shape)
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         check_config(cfg, shape, world_size)
     except ConfigError as error:
         fail(error)
+    if cfg.prepare_only:
+        if source[0] not in ("hub", "local"):
+            fail(f"--prepare_only prepares wikitext or a local path; --data={cfg.data} needs no preparation")
+        try:
+            if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, one process is enough
+                prepare_token_files(cfg, *source, tokenizer)
+        except ConfigError as error:
+            fail(error)
+        return 0
     config = model_config(shape)
+    if tokenizer is not None:
+        config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
     n_params = sum(p.numel() for p in build_meta_model(config).parameters())
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
@@ -578,7 +939,11 @@ def main(argv):
     master = rank == 0
 
     accumulation = cfg.global_batch_size // (cfg.batch_size * world_size)
-    total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * DUMMY_EPOCH_SAMPLES // cfg.global_batch_size
+    try:
+        batches, validation_batches, epoch_steps = open_batches(cfg, source, shape, tokenizer, world_size, rank, accumulation, device)
+    except ConfigError as error:
+        fail(error) if master else sys.exit(2)
+    total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * epoch_steps
     tokens_per_step = cfg.global_batch_size * cfg.seq_length
     if master:
         print("config:", " ".join(f"{k}={v}" for k, v in vars(cfg).items()), flush=True)
@@ -593,12 +958,11 @@ def main(argv):
     start_step, tokens_seen = 0, 0
     resume_path = cfg.resume_from or newest_checkpoint(checkpointer.run_dir)
     if resume_path:
-        trainer_state = checkpointer.load(resume_path, model, optimizer, scheduler, shape)
+        trainer_state = checkpointer.load(resume_path, model, optimizer, scheduler, shape, batches)
         start_step, tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
         if master:
             print(f"resumed from {resume_path} at step {start_step}"
                   f"{' (weights only, fresh optimizer)' if cfg.skip_optimizer else ''}", flush=True)
-    batches = micro_batches(cfg, shape, world_size, rank, accumulation, start_step, device)
     peak = peak_flops(device)
     flops_token = flops_per_token(config, n_params, cfg.seq_length)
 
@@ -645,7 +1009,12 @@ def main(argv):
         window_steps += 1
         if step == start_step and master:
             print(f"time to first step: {time.perf_counter() - start_time:.1f} s", flush=True)
-        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps:
+        evaluating = validation_batches and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total_steps)
+        if evaluating:
+            eval_start = time.perf_counter()
+            val_loss = evaluate(model, validation_batches(), cfg.eval_batches, world_size)
+            window_start += time.perf_counter() - eval_start  # the step times and tokens/s leave evaluation out
+        if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps or evaluating:
             dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
             elapsed = time.perf_counter() - window_start
             tokens_per_s = tokens_per_step * window_steps / elapsed
@@ -657,15 +1026,16 @@ def main(argv):
                     "mfu": flops_token * tokens_per_s / (peak * world_size) if peak else None,
                     "peak_mem_GB": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
                 }
+                if evaluating:
+                    record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
                 log_step(record, metrics_file, writer)
             window_start, window_steps = time.perf_counter(), 0
             loss_sum.zero_()
         stop = torch.tensor(float(len(stop_requests)), device=device)
         dist.all_reduce(stop)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps or stop.item():
-            trainer_state = {"step": step + 1, "tokens_seen": tokens_seen, "data": {"step": step + 1},
-                             "shape": vars(shape), "config": vars(cfg)}
-            checkpointer.save(step + 1, model, optimizer, scheduler, trainer_state)
+            trainer_state = {"step": step + 1, "tokens_seen": tokens_seen, "shape": vars(shape), "config": vars(cfg)}
+            checkpointer.save(step + 1, model, optimizer, scheduler, batches, trainer_state)
             last_saved = step + 1
         if stop.item():
             checkpointer.finish()
@@ -676,7 +1046,7 @@ def main(argv):
             return STOPPED_BY_SIGNAL
     checkpointer.finish()
     if last_saved == total_steps:
-        export_pretrained(model, config, os.path.join(checkpointer.run_dir, "final_model"), rank)
+        export_pretrained(model, config, tokenizer, os.path.join(checkpointer.run_dir, "final_model"), rank)
     if master:
         print(f"done: {total_steps} steps in {time.perf_counter() - start_time:.1f} s", flush=True)
         metrics_file.close()

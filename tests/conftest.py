@@ -36,6 +36,36 @@ def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def worker_pids(torchrun_pid):
+    """The training processes torchrun started, by local rank."""
+    ranks = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        local_rank = [v for v in environ if v.startswith(b"LOCAL_RANK=")]
+        if parent == torchrun_pid and local_rank:
+            ranks[int(local_rank[0].split(b"=")[1])] = int(stat.parent.name)
+    return ranks
+
+
+def run_until(args, tmp, step, signal_number, extra_torchrun=()):
+    """Starts a 2-process run and sends signal_number to local rank 1 once `step` is logged."""
+    command = torchrun_command("train.py", [f"--log_dir={tmp}", *args], 2, list(extra_torchrun))
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        if line.startswith(f"step {step:>6} |"):
+            os.kill(worker_pids(process.pid)[1], signal_number)
+            break
+    output += process.stdout.readlines()
+    process.wait(timeout=120)
+    return process.returncode, "".join(output)
+
+
 def read_metrics(log_dir):
     """The last record of each logged step (a resumed run logs some steps again)."""
     records = {}

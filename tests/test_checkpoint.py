@@ -1,45 +1,11 @@
-import os
 import signal
-import subprocess
-import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TINY, launch, read_metrics, torchrun_command
+from conftest import TINY, launch, read_metrics, run_until
 
 RUN = [*TINY, "--max_steps=30", "--run_name=exact", "--checkpoint_every=10"]
-
-
-def worker_pids(torchrun_pid):
-    """The training processes torchrun started, by local rank."""
-    ranks = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            environ = (stat.parent / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError):
-            continue  # exited meanwhile
-        local_rank = [v for v in environ if v.startswith(b"LOCAL_RANK=")]
-        if parent == torchrun_pid and local_rank:
-            ranks[int(local_rank[0].split(b"=")[1])] = int(stat.parent.name)
-    return ranks
-
-
-def run_until(args, tmp, step, signal_number, extra_torchrun=()):
-    """Starts a 2-process run and sends signal_number to local rank 1 once `step` is logged."""
-    command = torchrun_command("train.py", [f"--log_dir={tmp}", *args], 2, list(extra_torchrun))
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = []
-    for line in process.stdout:
-        output.append(line)
-        if line.startswith(f"step {step:>6} |"):
-            os.kill(worker_pids(process.pid)[1], signal_number)
-            break
-    output += process.stdout.readlines()
-    process.wait(timeout=120)
-    return process.returncode, "".join(output)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,287 @@
+"""Real data end to end: a generated corpus, a BPE tokenizer trained on it, real torchrun processes."""
+import json
+import math
+import random
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import TINY, launch, read_metrics, run_until
+
+# The tiny preset on short sequences, so that a corpus of a few thousand lines makes many batches.
+DATA = [*TINY, "--seq_length=32", "--eval_batches=2"]
+NOUNS = ["cat", "dog", "bird", "child", "farmer", "river", "king", "robot"]
+VERBS = ["sees", "likes", "follows", "feeds", "paints", "hears"]
+ADJECTIVES = ["small", "old", "red", "quiet", "happy", "tall"]
+
+
+def sentence(rng):
+    """A simple grammar: article, adjective, noun, verb, article, noun, and sometimes a clause."""
+    words = ["the", rng.choice(ADJECTIVES), rng.choice(NOUNS), rng.choice(VERBS), "a", rng.choice(NOUNS)]
+    if rng.random() < 0.5:
+        words += ["and", "then", rng.choice(VERBS), "the", rng.choice(NOUNS)]
+    return " ".join(words) + " ."
+
+
+def write_lines(path, n_lines, seed):
+    rng = random.Random(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(sentence(rng) + "\n" for _ in range(n_lines)))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    """A word-level BPE tokenizer trained on the grammar, saved as a transformers tokenizer folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = write_lines(tmp_path_factory.mktemp("tokenizer_corpus") / "corpus.txt", 500, seed=0)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train([str(corpus)], trainers.BpeTrainer(vocab_size=120, special_tokens=["<eos>", "<unk>"]))
+    folder = tmp_path_factory.mktemp("tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<unk>").save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A folder with a train and a validation file, as a user would lay it out."""
+    folder = tmp_path / "corpus"
+    write_lines(folder / "train.txt", 3000, seed=1)
+    write_lines(folder / "validation.txt", 200, seed=2)
+    return folder
+
+
+def run(tmp_path, tokenizer_dir, *args, nproc=2, expect_ok=True, env=None):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    args = [f"--log_dir={tmp_path / 'logs'}", f"--data_cache={tmp_path / 'cache'}", f"--tokenizer={tokenizer_dir}", *args]
+    result = launch("train.py", args, nproc=nproc, env=env, cwd=tmp_path)
+    if expect_ok:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(tmp_path, tokenizer_dir, corpus):
+    result = run(tmp_path, tokenizer_dir, *DATA, f"--data={corpus}", "--max_steps=40", "--eval_every=10")
+    records = read_metrics(tmp_path / "logs")
+    evaluated = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in evaluated] == [10, 20, 30, 40]
+    assert "val loss" in result.stdout
+    val_losses = [r["val_loss"] for r in evaluated]
+    assert val_losses[-1] < val_losses[0] - 0.2, val_losses
+    assert val_losses[-1] < 0.5 * records[0]["loss"], (records[0]["loss"], val_losses)
+    assert evaluated[-1]["val_ppl"] == pytest.approx(math.exp(val_losses[-1]), rel=1e-6)
+
+
+def test_stopped_run_on_text_resumes_exactly(tmp_path, tokenizer_dir, corpus):
+    """The data side of an exact resume: the loader continues on the very next batch of the epoch."""
+    args = [*DATA, f"--data={corpus}", "--max_steps=14", "--eval_every=0", "--run_name=text",
+            f"--data_cache={tmp_path / 'cache'}", f"--tokenizer={tokenizer_dir}"]
+    run(tmp_path / "whole", tokenizer_dir, *args, f"--checkpoint_dir={tmp_path / 'whole'}")
+    whole = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole" / "logs")}
+
+    parts = tmp_path / "parts"
+    stop_args = [f"--log_dir={parts / 'logs'}", f"--checkpoint_dir={parts}", *args]
+    code, output = run_until(stop_args, parts, 3, signal.SIGTERM)
+    stopped = int(output.split("stopped by signal after step ")[1].split(";")[0])
+    result = run(parts, tokenizer_dir, *args, f"--checkpoint_dir={parts}")
+    assert f"at step {stopped}" in result.stdout
+    resumed = {r["step"]: r["loss"] for r in read_metrics(parts / "logs")}
+    assert [resumed[s] for s in range(stopped + 1, 15)] == [whole[s] for s in range(stopped + 1, 15)]
+
+
+def prepare(tmp_path, tokenizer_dir, *args, capsys):
+    """train.py --prepare_only in this process (it needs no process group): exit status, stdout, stderr."""
+    import train as train_script
+
+    try:
+        status = train_script.main(["--prepare_only", f"--data_cache={tmp_path / 'cache'}", f"--tokenizer={tokenizer_dir}", *args])
+    except SystemExit as exit_info:
+        status = exit_info.code
+    output = capsys.readouterr()
+    return status, output.out, output.err
+
+
+def test_token_file_is_prepared_once_and_rebuilt_when_incomplete(tmp_path, tokenizer_dir, corpus, capsys):
+    def prepared():
+        status, out, err = prepare(tmp_path, tokenizer_dir, f"--data={corpus}", capsys=capsys)
+        assert status == 0, err
+        return out
+
+    assert "data: tokenizing" in prepared()
+    (tokens,) = (tmp_path / "cache").glob("corpus-*/train.bin")
+    sidecar = tokens.with_name("train.bin.json")
+    size, mtime = tokens.stat().st_size, tokens.stat().st_mtime_ns
+    assert json.loads(sidecar.read_text())["tokens"] * 2 == size  # uint16: the vocabulary is small
+
+    output = prepared()
+    assert "reusing prepared tokens" in output and "tokenizing" not in output
+    assert tokens.stat().st_mtime_ns == mtime
+
+    with open(tokens, "r+b") as file:  # a copy that stopped early
+        file.truncate(size - 2)
+    assert "data: tokenizing" in prepared()
+    assert tokens.stat().st_size == size
+
+    sidecar.write_text(sidecar.read_text()[:40])  # a sidecar cut short
+    assert "data: tokenizing" in prepared()
+    assert json.loads(sidecar.read_text())["tokens"] * 2 == size
+
+    with open(tokens, "r+b") as file:  # the right size, but not the right tokens
+        file.seek(size // 2)
+        file.write(b"\xff\xff")
+    assert "data: tokenizing" in prepared()
+    assert b"\xff\xff" not in tokens.read_bytes()
+
+    with open(corpus / "train.txt", "a") as file:  # an edited corpus is prepared anew, beside the old copy
+        file.write("the old king hears a dog .\n")
+    assert "data: tokenizing" in prepared()
+    assert len(list((tmp_path / "cache").glob("corpus-*/train.bin"))) == 2
+
+
+def test_one_process_with_accumulation_matches_two_processes_on_text(tmp_path, tokenizer_dir, corpus):
+    args = [*DATA, f"--data={corpus}", "--max_steps=5", "--eval_every=0", f"--data_cache={tmp_path / 'cache'}"]
+    run(tmp_path / "two", tokenizer_dir, *args)
+    run(tmp_path / "one", tokenizer_dir, *args, nproc=0)
+    two_losses = [r["loss"] for r in read_metrics(tmp_path / "two" / "logs")]
+    one_losses = [r["loss"] for r in read_metrics(tmp_path / "one" / "logs")]
+    assert one_losses == pytest.approx(two_losses, rel=1e-5, abs=1e-5)
+    assert len(set(one_losses)) == 5
+
+
+def write_parquet_stream(folder, column):
+    """Two training shards (one per rank) and a validation file, named the way datasets splits them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    for name, n_rows, seed in [("train-00000-of-00002", 600, 3), ("train-00001-of-00002", 600, 4), ("validation", 100, 5)]:
+        rng = random.Random(seed)
+        # Several sentences per row: documents longer than a line, as in real corpora.
+        rows = [" ".join(sentence(rng) for _ in range(3)) for _ in range(n_rows)]
+        pq.write_table(pa.table({"id": list(range(n_rows)), column: rows}), folder / f"{name}.parquet")
+    return folder
+
+
+def test_streaming_parquet_folder_trains_on_two_processes(tmp_path, tokenizer_dir):
+    stream = write_parquet_stream(tmp_path / "stream", column="body")
+    result = run(tmp_path, tokenizer_dir, *DATA, f"--data=hf:{stream}", "--text_column=body", "--max_steps=20",
+                 "--eval_every=10")
+    assert "world_size=2" in result.stdout
+    records = read_metrics(tmp_path / "logs")
+    assert len(records) == 20
+    assert records[-1]["loss"] < 0.5 * records[0]["loss"]
+    assert [r["step"] for r in records if "val_loss" in r] == [10, 20]
+
+
+def test_hub_source_without_network_or_prepared_tokens_names_the_prepare_command(tmp_path, tokenizer_dir):
+    result = run(tmp_path, tokenizer_dir, *DATA, "--data=wikitext", "--max_steps=1", nproc=0, expect_ok=False,
+                 env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "cannot load Salesforce/wikitext from the Hugging Face hub (Couldn't reach" in lines[0]
+    assert "python train.py --prepare_only --data=wikitext" in lines[0]
+
+
+def write_files(root, layout):
+    for name, text in layout.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize("layout, args, message", [
+    ({}, ["--data=missing"], "--data=missing: no such file or folder"),
+    ({"empty/train.txt": ""}, ["--data=empty"], "--data=empty holds no text"),
+    ({"blank/train.txt": "\n  \n\n"}, ["--data=blank"], "--data=blank holds no text"),
+    ({"docs/a.jsonl": '{"body": "the cat sees a dog ."}\n' * 50}, ["--data=docs", "--text_column=content"],
+     "--text_column=content is not a column of --data=docs; columns: body"),
+    ({"mixed/a.txt": "x\n", "mixed/b.jsonl": '{"text": "y"}\n'}, ["--data=mixed"], "mixes .jsonl, .txt"),
+    ({"ok.txt": "the cat sees a dog .\n"}, ["--data=ok.txt", "--vocab_size=50"], "tokens, more than --vocab_size=50"),
+])
+def test_bad_corpus_is_one_clear_line(tmp_path, tokenizer_dir, layout, args, message, capsys, monkeypatch):
+    write_files(tmp_path, layout)
+    monkeypatch.chdir(tmp_path)
+    status, _, err = prepare(tmp_path, tokenizer_dir, *args, capsys=capsys)
+    assert status == 2
+    # Only datasets' progress bars may come before the error line.
+    assert message in err.strip().splitlines()[-1], err
+    assert err.count("error:") == 1 and "Traceback" not in err, err
+
+
+def test_model_vocabulary_follows_the_tokenizer(tokenizer_dir, corpus, capsys):
+    from transformers import AutoTokenizer
+    import train as train_script
+
+    size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    train_script.main(["--dry_run", "--model=gpt2", f"--data={corpus}", f"--tokenizer={tokenizer_dir}"])
+    assert f"vocab={(size + 63) // 64 * 64}\n" in capsys.readouterr().out  # gpt2's preset has 50257
+
+
+def test_corpus_shorter_than_one_batch_is_one_clear_line(tmp_path, tokenizer_dir):
+    write_files(tmp_path, {"short/train.txt": "the cat sees a dog .\n" * 20})
+    result = run(tmp_path, tokenizer_dir, *DATA, "--data=short", "--max_steps=1", nproc=0, expect_ok=False)
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert "--data=short has" in last and "fewer than one global batch (16 x 33)" in last, result.stderr
+    assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_window_loader_shuffles_each_epoch_and_resumes_after_the_last_completed_step():
+    import numpy as np
+    import torch
+    import train as train_script
+
+    cfg = SimpleNamespace(batch_size=2, seq_length=8, seed=1)
+    tokens = np.arange(125 * 8 + 1)  # 125 windows; window i starts with token 8·i
+
+    def loader():
+        return train_script.WindowBatches(lambda i: tokens[i * 8:(i + 1) * 8 + 1], 125, cfg, world_size=1, rank=0,
+                                          accumulation=2, device=torch.device("cpu"), prefetch=True, shuffle=True)
+
+    run_through = loader()
+    inputs = [next(run_through)[0] for _ in range(130)]
+    first_epoch = [int(row[0]) // 8 for batch in inputs[:62] for row in batch]
+    assert sorted(first_epoch) != first_epoch and len(set(first_epoch)) == 124  # 31 steps of 4 fit in 125 windows
+    second_epoch = [int(row[0]) // 8 for batch in inputs[63:125] for row in batch]
+    assert second_epoch[:20] != first_epoch[:20]  # a new order each epoch
+
+    stopped = loader()
+    for _ in range(67):  # 33 whole steps and half of the next
+        next(stopped)
+    state = json.loads(json.dumps(stopped.state_dict()))
+    assert state == {"epoch": 1, "offset": 33 * 4 - 125}
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert torch.equal(next(resumed)[0], inputs[66])  # step 34 again from its first micro-batch
+    assert torch.equal(next(resumed)[0], inputs[67])
+
+
+def test_streaming_loader_resumes_on_exactly_the_next_batch(tmp_path, tokenizer_dir):
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+    import train as train_script
+
+    stream = write_parquet_stream(tmp_path / "stream", column="text")
+    tokenize = train_script.tokenize_documents(AutoTokenizer.from_pretrained(tokenizer_dir), "text")
+    cfg = SimpleNamespace(batch_size=2, seq_length=16)
+
+    def loader():
+        documents = load_dataset(str(stream), split="train", streaming=True).map(tokenize, batched=True)
+        return train_script.StreamingBatches(documents, cfg, accumulation=1, device=torch.device("cpu"), prefetch=True)
+
+    first = loader()
+    taken = [next(first) for _ in range(7)]
+    state = json.loads(json.dumps(first.state_dict()))
+    following = [next(first) for _ in range(3)]
+    assert state["buffer"], "a window boundary inside a document leaves tokens in the buffer"
+    resumed = loader()
+    resumed.load_state_dict(state)
+    for expected in following:
+        inputs, targets = next(resumed)
+        assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
+    assert not torch.equal(taken[-1][0], following[0][0])
