@@ -382,6 +382,7 @@ def build_model(config, cfg, device, mesh):
         blocks[index] = block
     if cfg.sharding == "ddp":
         model.to_empty(device=device)
+        model.tie_weights()  # to_empty gave the tied modules a new tensor each (fully_shard keeps them shared)
     else:
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
         fsdp_kwargs = dict(mesh=mesh, reshard_after_forward=cfg.sharding != "grad_op")
