@@ -1,10 +1,11 @@
-"""Pretrain a GPT-2-style transformers model with PyTorch FSDP2.
+"""Pretrain or fine-tune a transformers model (GPT-2, Llama, Mistral, Mixtral) with PyTorch FSDP2 or DDP.
 
     torchrun --standalone --nproc_per_node=8 train.py                  # 4B model on one 8-GPU node
     torchrun --standalone --nproc_per_node=2 train.py --model=tiny --compile=False   # CPU, gloo
     python train.py --dry_run                                          # config, size, memory; no training
 
-Edit the constants below, or override any of them as --name=value (bare --flag means True).
+Edit the constants below, set them in a YAML file given as --config=FILE.yaml, or override any of them
+as --name=value (bare --flag means True); flags win over the file.
 Read top to bottom: configuration, data, model, optimizer, logging, main().
 """
 import copy
