@@ -306,14 +306,14 @@ def estimate_memory_gb(config, n_params, cfg, world_size, local_world_size, on_g
     """Rough bytes per GPU with bf16 compute: sharded fp32 state, gathered bf16 blocks, activations
     (Korthikanti et al. 2022: 34·s·b·h bytes per layer without the s² attention matrix that SDPA never
     stores; 2·s·b·h per layer plus one recomputed layer with activation checkpointing) and the logits."""
-    shards = local_world_size if cfg.sharding == "hybrid" else world_size
+    shards = {"hybrid": local_world_size, "ddp": 1}.get(cfg.sharding, world_size)
     s, b, h, L, V = cfg.seq_length, cfg.batch_size, config.hidden_size, config.num_hidden_layers, config.vocab_size
     block = (n_params - V * h * (1 if config.tie_word_embeddings else 2)) / L
     act_bytes = 2 if on_gpu else 4
-    gathered = n_params * act_bytes if cfg.sharding == "grad_op" else (n_params - L * block + 2 * block) * act_bytes
+    gathered = n_params * act_bytes if cfg.sharding in ("grad_op", "ddp") else (n_params - L * block + 2 * block) * act_bytes
     layer_activations = 34 * s * b * h * act_bytes / 2
     parts = {
-        "params+grads+AdamW (fp32, sharded)": 16 * n_params / shards,
+        "params+grads+AdamW (fp32, sharded)": 0 if cfg.cpu_offload else 16 * n_params / shards,  # offload: host memory
         "gathered params": gathered,
         "activations without checkpointing": L * layer_activations,
         "activations with checkpointing": L * 2 * s * b * h * act_bytes / 2 + layer_activations,
@@ -508,7 +508,9 @@ def main(argv):
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30))
+    # Offloaded gradients are CPU tensors: their norm needs a CPU backend beside NCCL.
+    backend = ("cuda:nccl,cpu:gloo" if cfg.cpu_offload else "nccl") if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(minutes=30))
     from torch.distributed.device_mesh import init_device_mesh
 
     if cfg.sharding == "hybrid":
