@@ -51,7 +51,7 @@ seed: int = 1337
 sharding: str = "full"              # full (FULL_SHARD) | grad_op (SHARD_GRAD_OP) | hybrid (HYBRID_SHARD) | ddp
 cpu_offload: bool = False           # FSDP keeps parameters, gradients and optimizer state in CPU memory
 activation_checkpointing: str = "full"  # none | full (every block) | selective (every ac_every-th block)
-ac_every: int = 2
+ac_every: int = 2                   # selective checkpoints layers ac_every, 2·ac_every, ...
 compile: bool = True                # torch.compile each transformer block
 # Logging
 log_every: int = 10

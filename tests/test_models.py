@@ -176,3 +176,21 @@ def test_example_configs_pass_the_checks(name, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = train_script.parse_args([f"--config={REPO / 'configs' / name}"])
     train_script.check_config(cfg, train_script.resolve_shape(cfg), world_size=8)
+
+
+@pytest.mark.parametrize("mode, wrapped", [("none", []), ("full", [0, 1, 2, 3]), ("selective", [1, 3]), ("true", [0, 1, 2, 3])])
+def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped):
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    cfg = train_script.parse_args(["--model=tiny-llama", "--n_layer=4", "--compile=False", "--sharding=ddp",
+                                   f"--activation_checkpointing={mode}", "--ac_every=2"])
+    shape = train_script.resolve_shape(cfg)
+    train_script.check_config(cfg, shape, world_size=1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = train_script.build_model(train_script.model_config(shape), cfg, torch.device("cpu"), mesh=None)
+    finally:
+        dist.destroy_process_group()
+    layers = model.module.model.layers
+    assert [i for i, layer in enumerate(layers) if isinstance(layer, CheckpointWrapper)] == wrapped
