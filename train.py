@@ -258,11 +258,11 @@ def micro_batches(cfg, shape, world_size, rank, accumulation, start_step, device
 
 
 # --------------------------------------------------------------------------------------------
-# Model: meta device -> activation checkpointing -> torch.compile per block -> fully_shard -> init
+# Model: meta device -> activation checkpointing -> torch.compile per block -> fully_shard (or DDP) -> init or load
 # --------------------------------------------------------------------------------------------
 def model_config(shape):
-    """The transformers config: the preset's (or pretrained model's) arguments with the shape constants
-    applied, a vocabulary padded for speed (a pretrained model keeps its own), SDPA attention."""
+    """The transformers config: the preset's arguments with the shape constants applied and a vocabulary
+    padded for speed, or the pretrained model's; SDPA attention, no dropout."""
     defaults = shape.config_class().to_dict()
     arguments = dict(copy.deepcopy(shape.arguments), use_cache=False)
     # No dropout: modern pretraining does without it, and it keeps runs of any world size identical.
@@ -270,8 +270,8 @@ def model_config(shape):
     for key in ("bos_token_id", "eos_token_id"):  # GPT-2's default 50256 must fit the tiny vocabulary
         if isinstance(token := arguments.get(key, defaults.get(key)), int) and token >= shape.vocab_size:
             arguments[key] = shape.vocab_size - 1
-    arguments.update({shape.config_class.attribute_map.get(key, key): getattr(shape, name) for name, key in SHAPE_NAMES.items()})
-    if not shape.pretrained:
+    if not shape.pretrained:  # a pretrained model keeps its shape and its vocabulary, whatever a tokenizer holds
+        arguments.update({shape.config_class.attribute_map.get(key, key): getattr(shape, name) for name, key in SHAPE_NAMES.items()})
         arguments["vocab_size"] = padded_vocab(shape.vocab_size)
     config = shape.config_class.from_dict(arguments)
     config._attn_implementation = "sdpa"

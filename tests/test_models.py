@@ -90,9 +90,9 @@ def test_ddp_and_cpu_offload_compute_the_fsdp_losses(train, tmp_path, fsdp_llama
 
 
 def test_tiny_mixtral_learns_with_fsdp_as_in_one_process(train, tmp_path):
-    """Expert weights are sharded like any other; one process accumulating 4 micro-steps computes the same."""
-    train(tmp_path / "two", *TINY_LLAMA, "--model=tiny-mixtral", "--max_steps=4")
-    train(tmp_path / "one", *TINY_LLAMA, "--model=tiny-mixtral", "--max_steps=4", nproc=0)
+    """Expert weights are sharded like any other; one process accumulating 2 micro-steps computes the same."""
+    train(tmp_path / "two", *TINY_LLAMA, "--model=tiny-mixtral", "--max_steps=4", "--global_batch_size=8")
+    train(tmp_path / "one", *TINY_LLAMA, "--model=tiny-mixtral", "--max_steps=4", "--global_batch_size=8", nproc=0)
     losses = [r["loss"] for r in read_metrics(tmp_path / "two")]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0] and len(set(losses)) == 4, losses
