@@ -1,12 +1,14 @@
-"""Pretrain a GPT-2-style transformers model with PyTorch FSDP2.
+"""Pretrain or fine-tune a transformers model (GPT-2, Llama, Mistral, Mixtral) with PyTorch FSDP2 or DDP.
 
     torchrun --standalone --nproc_per_node=8 train.py                  # 4B model on one 8-GPU node
     torchrun --standalone --nproc_per_node=2 train.py --model=tiny --compile=False   # CPU, gloo
     python train.py --dry_run                                          # config, size, memory; no training
 
-Edit the constants below, or override any of them as --name=value (bare --flag means True).
+Edit the constants below, set them in a YAML file given as --config=FILE.yaml, or override any of them
+as --name=value (bare --flag means True); flags win over the file.
 Read top to bottom: configuration, data, model, optimizer, logging, main().
 """
+import copy
 import difflib
 import functools
 import glob
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 # --------------------------------------------------------------------------------------------
 # Model: a preset from MODEL_PRESETS; a shape constant set here (not None) overrides the preset.
 model: str = "4b"
+init_from: str | None = None        # a transformers model (directory or hub name) to start from; sets the shape
 n_embd: int | None = None
 n_layer: int | None = None
 n_head: int | None = None
@@ -63,8 +66,10 @@ weight_decay: float = 0.1
 grad_clip: float = 1.0              # 0 disables clipping (the norm is still logged)
 seed: int = 1337
 # Parallelism and speed
-sharding: str = "full"              # full (FULL_SHARD) | grad_op (SHARD_GRAD_OP) | hybrid (HYBRID_SHARD)
-activation_checkpointing: bool = True
+sharding: str = "full"              # full (FULL_SHARD) | grad_op (SHARD_GRAD_OP) | hybrid (HYBRID_SHARD) | ddp
+cpu_offload: bool = False           # FSDP keeps parameters, gradients and optimizer state in CPU memory
+activation_checkpointing: str = "full"  # none | full (every block) | selective (every ac_every-th block)
+ac_every: int = 2                   # selective checkpoints layers ac_every, 2·ac_every, ...
 compile: bool = True                # torch.compile each transformer block
 # Checkpoints and fault tolerance
 checkpoint_dir: str = "checkpoints"
@@ -82,7 +87,8 @@ log_dir: str = "logs"
 tensorboard: bool = True            # used when the tensorboard package is installed
 dry_run: bool = False               # print config, parameter count and memory estimate, then exit
 
-CHOICES = {"sharding": ("full", "grad_op", "hybrid"), "ckpt_format": ("sharded", "full")}
+CHOICES = {"sharding": ("full", "grad_op", "hybrid", "ddp"), "ckpt_format": ("sharded", "full"),
+           "activation_checkpointing": ("none", "full", "selective")}
 # Options that change how a run is operated but not what it computes: left out of the default run_name.
 OPERATIONAL = {"run_name", "checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume_from",
                "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
@@ -90,16 +96,43 @@ OPERATIONAL = {"run_name", "checkpoint_dir", "checkpoint_every", "keep_last", "a
 STOPPED_BY_SIGNAL = 75              # exit status after a signal-triggered checkpoint: the launcher requeues
 
 GPT2_VOCAB = 50257                  # token ids of the gpt2 tokenizer
-# GPT2Config shapes. 4b: 3072 wide (head size 128, the fast path of flash attention; a multiple
-# of 256 for tensor-core tiles) and 34 layers give 4.01B parameters.
+LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
+LLAMA3 = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, num_key_value_heads=8,
+              rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                   high_freq_factor=4.0, original_max_position_embeddings=8192))
+LLAMA3_2 = dict(LLAMA3, tie_word_embeddings=True, rope_parameters=dict(LLAMA3["rope_parameters"], factor=32.0))
+# Mistral 7B v0.2's shape (v0.1's with rope theta 1e6 and no sliding window), which Mixtral 8x7B shares.
+MISTRAL = dict(vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5, hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, sliding_window=None,
+               rope_parameters=dict(rope_type="default", rope_theta=1e6))
+TINY_LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, vocab_size=512)
+# A preset is a transformers config class and its arguments: the published shapes, no weights. GPT-2's
+# 4b: 3072 wide (head size 128, the fast path of flash attention; a multiple of 256 for tensor-core
+# tiles) and 34 layers give 4.01B parameters.
 MODEL_PRESETS = {
-    "tiny": dict(n_embd=256, n_layer=2, n_head=4, n_positions=256, vocab_size=512),
-    "gpt2": dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=GPT2_VOCAB),
-    "gpt2-medium": dict(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, vocab_size=GPT2_VOCAB),
-    "gpt2-large": dict(n_embd=1280, n_layer=36, n_head=20, n_positions=1024, vocab_size=GPT2_VOCAB),
-    "gpt2-xl": dict(n_embd=1600, n_layer=48, n_head=25, n_positions=1024, vocab_size=GPT2_VOCAB),
-    "4b": dict(n_embd=3072, n_layer=34, n_head=24, n_positions=2048, vocab_size=GPT2_VOCAB),
+    "tiny": ("GPT2Config", dict(n_embd=256, n_layer=2, n_head=4, n_positions=256, vocab_size=512)),
+    "gpt2": ("GPT2Config", dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=GPT2_VOCAB)),
+    "gpt2-medium": ("GPT2Config", dict(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, vocab_size=GPT2_VOCAB)),
+    "gpt2-large": ("GPT2Config", dict(n_embd=1280, n_layer=36, n_head=20, n_positions=1024, vocab_size=GPT2_VOCAB)),
+    "gpt2-xl": ("GPT2Config", dict(n_embd=1600, n_layer=48, n_head=25, n_positions=1024, vocab_size=GPT2_VOCAB)),
+    "4b": ("GPT2Config", dict(n_embd=3072, n_layer=34, n_head=24, n_positions=2048, vocab_size=GPT2_VOCAB)),
+    "tiny-llama": ("LlamaConfig", dict(TINY_LLAMA, tie_word_embeddings=True)),
+    "tiny-mixtral": ("MixtralConfig", dict(TINY_LLAMA, intermediate_size=256, num_local_experts=4, num_experts_per_tok=2)),
+    "llama2-7b": ("LlamaConfig", dict(LLAMA2, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32)),
+    "llama2-13b": ("LlamaConfig", dict(LLAMA2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40)),
+    "llama2-70b": ("LlamaConfig", dict(LLAMA2, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                                       num_key_value_heads=8)),
+    "llama3.1-8b": ("LlamaConfig", dict(LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)),
+    "llama3.1-70b": ("LlamaConfig", dict(LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)),
+    "llama3.2-1b": ("LlamaConfig", dict(LLAMA3_2, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32)),
+    "llama3.2-3b": ("LlamaConfig", dict(LLAMA3_2, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24)),
+    "mistral-7b": ("MistralConfig", MISTRAL),
+    "mixtral-8x7b": ("MixtralConfig", dict(MISTRAL, num_local_experts=8, num_experts_per_tok=2)),
 }
+# The shape constants in each family's own words (GPT2Config maps these to n_embd, n_layer, ...).
+SHAPE_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+               "n_positions": "max_position_embeddings", "vocab_size": "vocab_size"}
 DUMMY_EPOCH_SAMPLES = 2**20         # what one epoch of dummy data means for num_epochs
 DUMMY_PERIOD = 8                   # each dummy sequence repeats a random block of this many tokens
 
@@ -109,54 +142,95 @@ class ConfigError(ValueError):
 
 
 def parse_args(argv):
-    """Module constants overridden by --name=value arguments, type-checked against their annotations."""
+    """Module constants, then --config=FILE.yaml files, then --name=value flags, each type-checked against
+    the constant's annotation."""
     hints = {k: v for k, v in __annotations__.items() if not k.isupper()}
     cfg = {name: globals()[name] for name in hints}
-    for arg in argv:
+    for path in [arg.removeprefix("--config=") for arg in argv if arg.startswith("--config=")]:
+        cfg.update(read_config_file(path, hints))
+    for arg in (arg for arg in argv if not arg.startswith("--config=")):
         name, has_value, text = arg.removeprefix("--").partition("=")
         if not arg.startswith("--") or not name:
             raise ConfigError(f"unexpected argument {arg!r}: options are written --name=value")
         if name not in cfg:
-            close = difflib.get_close_matches(name, cfg, n=1)
-            hint = f"; did you mean --{close[0]}?" if close else f"; valid options: {', '.join(cfg)}"
-            raise ConfigError(f"unknown option --{name}{hint}")
-        cfg[name] = convert(name, text if has_value else "true", hints[name])
+            raise ConfigError(f"unknown option --{name}{suggestion(name, cfg, '--')}")
+        cfg[name] = convert(name, text if has_value else "true", hints[name], "--")
     return types.SimpleNamespace(**cfg)
 
 
-def convert(name, text, hint):
+def suggestion(name, valid, prefix):
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f"; did you mean {prefix}{close[0]}?" if close else f"; valid options: {', '.join(valid)}"
+
+
+def read_config_file(path, hints):
+    import yaml
+
+    try:
+        with open(path) as file:
+            values = yaml.safe_load(file) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"--config={path}: {' '.join(str(error).split())}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of name: value, got {type(values).__name__}")
+    for name in values:
+        if name not in hints:
+            raise ConfigError(f"{path}: unknown key {name!r}{suggestion(str(name), hints, '')}")
+    return {name: convert(name, value, hints[name], f"{path}: ") for name, value in values.items()}
+
+
+def convert(name, value, hint, where):
+    """value: a flag's text, or a YAML value, typed already or text read the way a flag is."""
     allows_none = isinstance(hint, types.UnionType)
     kind = next(t for t in getattr(hint, "__args__", (hint,)) if t is not type(None))
-    if allows_none and text.lower() == "none":
+    if allows_none and (value is None or isinstance(value, str) and value.lower() == "none"):
         return None
-    if kind is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
+    if type(value) is kind or kind is float and type(value) is int:
+        return kind(value)
+    if isinstance(value, str) and kind is bool:
+        if value.lower() in ("1", "true", "yes", "on"):
             return True
-        if text.lower() in ("0", "false", "no", "off"):
+        if value.lower() in ("0", "false", "no", "off"):
             return False
-    else:
+    elif isinstance(value, str):
         try:
-            return kind(text)
+            return kind(value)
         except ValueError:
             pass
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
-    raise ConfigError(f"--{name} expects {expected}{' or none' if allows_none else ''}, got {text!r}")
+    raise ConfigError(f"{where}{name} expects {expected}{' or none' if allows_none else ''}, got {value!r}")
 
 
 def resolve_shape(cfg):
-    if cfg.model not in MODEL_PRESETS:
+    """The model's transformers config class, its arguments (the preset's, or the init_from model's) and
+    its shape with the shape constants applied."""
+    import transformers
+
+    if cfg.init_from:
+        try:
+            pretrained = transformers.AutoConfig.from_pretrained(cfg.init_from)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"--init_from={cfg.init_from}: {str(error).splitlines()[0]}")
+        config_class, arguments = type(pretrained), pretrained.to_dict()
+    elif cfg.model in MODEL_PRESETS:
+        class_name, arguments = MODEL_PRESETS[cfg.model]
+        config_class = getattr(transformers, class_name)
+    else:
         close = difflib.get_close_matches(cfg.model, MODEL_PRESETS, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         raise ConfigError(f"--model={cfg.model} is not a preset; {hint}presets: {', '.join(MODEL_PRESETS)}")
-    shape = dict(MODEL_PRESETS[cfg.model])
+    shape = {name: arguments[config_class.attribute_map.get(key, key)] for name, key in SHAPE_NAMES.items()}
     shape.update({k: getattr(cfg, k) for k in shape if getattr(cfg, k) is not None})
-    return types.SimpleNamespace(**shape)
+    return types.SimpleNamespace(config_class=config_class, arguments=arguments, pretrained=bool(cfg.init_from), **shape)
 
 
 def check_config(cfg, shape, world_size):
     """Every impossible combination, caught before any model is built."""
     if cfg.seq_length is None:
         cfg.seq_length = shape.n_positions
+    # true and false: the values from before the option had a selective mode
+    cfg.activation_checkpointing = {"true": "full", "false": "none"}.get(cfg.activation_checkpointing.lower(),
+                                                                        cfg.activation_checkpointing)
     for name, choices in CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"--{name}={getattr(cfg, name)} is not one of: {', '.join(choices)}")
@@ -164,7 +238,7 @@ def check_config(cfg, shape, world_size):
         if getattr(shape, name) <= 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(shape, name)}")
     for name in ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every", "checkpoint_every",
-                 "max_bad_steps"):
+                 "max_bad_steps", "ac_every"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
     if shape.n_embd % shape.n_head:
@@ -182,6 +256,10 @@ def check_config(cfg, shape, world_size):
         raise ConfigError(f"--min_lr={cfg.min_lr} must lie between 0 and --lr={cfg.lr}")
     if cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.keep_last < 0:
         raise ConfigError("--warmup_steps, --weight_decay, --grad_clip and --keep_last must not be negative")
+    if cfg.init_from and any(getattr(cfg, name) is not None for name in SHAPE_NAMES):
+        raise ConfigError(f"--init_from={cfg.init_from} brings its own shape; drop --{', --'.join(SHAPE_NAMES)}")
+    if cfg.cpu_offload and cfg.sharding == "ddp":
+        raise ConfigError("--cpu_offload=True needs FSDP; it does not work with --sharding=ddp")
     if cfg.resume_from is not None and not os.path.isfile(os.path.join(cfg.resume_from, "trainer_state.json")):
         raise ConfigError(f"--resume_from={cfg.resume_from} is not a complete checkpoint folder (no trainer_state.json)")
     if cfg.run_name is None:
@@ -551,46 +629,62 @@ def evaluate(model, batches, n_batches, world_size):
 
 
 # --------------------------------------------------------------------------------------------
-# Model: meta device -> activation checkpointing -> torch.compile per block -> fully_shard -> init
+# Model: meta device -> activation checkpointing -> torch.compile per block -> fully_shard (or DDP) -> init or load
 # --------------------------------------------------------------------------------------------
 def model_config(shape):
-    from transformers import GPT2Config
-
+    """The transformers config: the preset's arguments with the shape constants applied and a vocabulary
+    padded for speed, or the pretrained model's; SDPA attention, no dropout."""
+    defaults = shape.config_class().to_dict()
+    arguments = dict(copy.deepcopy(shape.arguments), use_cache=False)
     # No dropout: modern pretraining does without it, and it keeps runs of any world size identical.
-    config = GPT2Config(vocab_size=padded_vocab(shape.vocab_size), n_embd=shape.n_embd, n_layer=shape.n_layer, n_head=shape.n_head,
-                        n_positions=shape.n_positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=shape.vocab_size - 1, eos_token_id=shape.vocab_size - 1, use_cache=False)
+    arguments.update({k: 0.0 for k, v in defaults.items() if k.endswith(("pdrop", "dropout")) and isinstance(v, float)})
+    for key in ("bos_token_id", "eos_token_id"):  # GPT-2's default 50256 must fit the tiny vocabulary
+        if isinstance(token := arguments.get(key, defaults.get(key)), int) and token >= shape.vocab_size:
+            arguments[key] = shape.vocab_size - 1
+    if not shape.pretrained:  # a pretrained model keeps its shape and its vocabulary, whatever a tokenizer holds
+        arguments.update({shape.config_class.attribute_map.get(key, key): getattr(shape, name) for name, key in SHAPE_NAMES.items()})
+        arguments["vocab_size"] = padded_vocab(shape.vocab_size)
+    config = shape.config_class.from_dict(arguments)
     config._attn_implementation = "sdpa"
     return config
 
 
 def build_meta_model(config):
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return GPT2LMHeadModel(config)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # not a pretrained config's bf16
 
 
-def flops_per_token(config, n_params, seq_length):
-    """6·N + 12·L·H·Q·T (PaLM appendix B, as torchtitan): N counts the tied token embedding once, as the
-    output layer's matmul, and leaves out the position embedding, a lookup with no FLOPs."""
-    n_matmul = n_params - config.n_positions * config.n_embd
-    head_dim = config.n_embd // config.n_head
-    return 6 * n_matmul + 12 * config.n_layer * config.n_head * head_dim * seq_length
+def decoder_layers(model):
+    """The ModuleList of the family's own decoder-layer class, the unit transformers names for sharding."""
+    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and type(m[0]).__name__ in model._no_split_modules)
+
+
+def flops_per_token(model, config, seq_length):
+    """6·N + 12·L·H·Q·T (PaLM appendix B, as torchtitan). N counts the weights of matmuls: a tied token
+    embedding once, as the output layer, no lookup-only embedding (positions, untied input tokens), and
+    of a mixture of experts the num_experts_per_tok of num_local_experts that each token runs through."""
+    matmuls = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} - matmuls
+    active = getattr(config, "num_experts_per_tok", 1) / getattr(config, "num_local_experts", 1)
+    n_matmul = sum(p.numel() * (active if ".experts." in name else 1) for name, p in model.named_parameters() if id(p) not in lookups)
+    head_dim = config.hidden_size // config.num_attention_heads
+    return 6 * n_matmul + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
 def estimate_memory_gb(config, n_params, cfg, world_size, local_world_size, on_gpu=True):
     """Rough bytes per GPU with bf16 compute: sharded fp32 state, gathered bf16 blocks, activations
     (Korthikanti et al. 2022: 34·s·b·h bytes per layer without the s² attention matrix that SDPA never
     stores; 2·s·b·h per layer plus one recomputed layer with activation checkpointing) and the logits."""
-    shards = local_world_size if cfg.sharding == "hybrid" else world_size
-    s, b, h, L, V = cfg.seq_length, cfg.batch_size, config.n_embd, config.n_layer, config.vocab_size
-    block = 12 * h * h + 13 * h
+    shards = {"hybrid": local_world_size, "ddp": 1}.get(cfg.sharding, world_size)
+    s, b, h, L, V = cfg.seq_length, cfg.batch_size, config.hidden_size, config.num_hidden_layers, config.vocab_size
+    block = (n_params - V * h * (1 if config.tie_word_embeddings else 2)) / L
     act_bytes = 2 if on_gpu else 4
-    gathered = n_params * act_bytes if cfg.sharding == "grad_op" else (n_params - L * block + 2 * block) * act_bytes
+    gathered = n_params * act_bytes if cfg.sharding in ("grad_op", "ddp") else (n_params - L * block + 2 * block) * act_bytes
     layer_activations = 34 * s * b * h * act_bytes / 2
     parts = {
-        "params+grads+AdamW (fp32, sharded)": 16 * n_params / shards,
+        "params+grads+AdamW (fp32, sharded)": 0 if cfg.cpu_offload else 16 * n_params / shards,  # offload: host memory
         "gathered params": gathered,
         "activations without checkpointing": L * layer_activations,
         "activations with checkpointing": L * 2 * s * b * h * act_bytes / 2 + layer_activations,
@@ -601,43 +695,86 @@ def estimate_memory_gb(config, n_params, cfg, world_size, local_world_size, on_g
 
 @torch.no_grad()
 def init_weights(model, std, n_layer, seed):
-    """GPT-2's initialisation: N(0, 0.02) weights, residual projections scaled by 1/sqrt(2·n_layer), zero
-    biases, unit norms. Each tensor is drawn whole from its own seeded generator and then sharded, so
-    runs of every world size start from the same weights."""
-    from torch.distributed.tensor import distribute_tensor
+    """GPT-2's initialisation: N(0, 0.02) weights, residual projections (GPT-2's c_proj, Llama's o_proj and
+    down_proj) scaled by 1/sqrt(2·n_layer), zero biases, unit norms. Each tensor is drawn whole from its
+    own seeded generator and then sharded, so runs of every world size start from the same weights."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     for index, (name, param) in enumerate(model.named_parameters()):
         if param.ndim == 1:
             full = torch.ones if name.endswith("weight") else torch.zeros  # norm weights; biases
             value = full(param.shape, device=param.device)
         else:
-            scale = std / math.sqrt(2 * n_layer) if name.endswith("c_proj.weight") else std
+            residual = name.endswith(("c_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj"))
             generator = torch.Generator(param.device).manual_seed(seed + index)
-            value = torch.randn(param.shape, generator=generator, device=param.device) * scale
-        param.to_local().copy_(distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local())
+            value = torch.randn(param.shape, generator=generator, device=param.device) * (std / math.sqrt(2 * n_layer) if residual else std)
+        if isinstance(param, DTensor):
+            param.to_local().copy_(distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None).to_local())
+        else:
+            param.copy_(value)
+
+
+def init_rotary_embeddings(model, device):
+    """to_empty leaves the rotary embeddings' non-persistent inv_freq buffers uninitialised: a fresh
+    module computes them, on the compute device even when parameters are offloaded to the CPU."""
+    for module in model.modules():
+        if hasattr(module, "inv_freq"):
+            with torch.device(device):
+                fresh = type(module)(module.config)
+            for name, buffer in fresh.named_buffers():
+                setattr(module, name, buffer)
+
+
+def load_pretrained(model, name_or_path):
+    """Only rank 0 holds a full copy in host memory; set_model_state_dict broadcasts it and every rank keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    weights = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).state_dict() if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
+    def set_requires_gradient_sync(self, requires_gradient_sync):
+        """FSDP2's call for what DDP's no_sync() context switches, so that the training loop serves both."""
+        self.require_backward_grad_sync = requires_gradient_sync
 
 
 def build_model(config, cfg, device, mesh):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     model = build_meta_model(config)
-    blocks = model.transformer.h
+    blocks = decoder_layers(model)
     for index, block in enumerate(blocks):
-        if cfg.activation_checkpointing:
+        if cfg.activation_checkpointing == "full" or cfg.activation_checkpointing == "selective" and (index + 1) % cfg.ac_every == 0:
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         if cfg.compile:
             block.compile()
         blocks[index] = block
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
-    fsdp_kwargs = dict(mesh=mesh, reshard_after_forward=cfg.sharding != "grad_op")
-    if mp is not None:
-        fsdp_kwargs["mp_policy"] = mp
-    for block in blocks:
-        fully_shard(block, **fsdp_kwargs)
-    fully_shard(model, **fsdp_kwargs)
-    model.to_empty(device=device)
-    init_weights(model, config.initializer_range, config.n_layer, cfg.seed)
+    if cfg.sharding == "ddp":
+        model.to_empty(device=device)
+        model.tie_weights()  # to_empty gave the tied modules a new tensor each (fully_shard keeps them shared)
+    else:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
+        fsdp_kwargs = dict(mesh=mesh, reshard_after_forward=cfg.sharding != "grad_op")
+        if mp is not None:
+            fsdp_kwargs["mp_policy"] = mp
+        if cfg.cpu_offload:
+            fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        for block in blocks:
+            fully_shard(block, **fsdp_kwargs)
+        fully_shard(model, **fsdp_kwargs)
+        model.to_empty(device="cpu" if cfg.cpu_offload else device)
+    init_rotary_embeddings(model, device)
+    if cfg.init_from:
+        load_pretrained(model, cfg.init_from)
+    else:
+        init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
+    if cfg.sharding == "ddp":
+        if device.type == "cuda":  # FSDP's mixed precision: bf16 compute, fp32 weights and gradient reduction
+            model.forward = torch.autocast("cuda", dtype=torch.bfloat16)(model.forward)
+        model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     return model
 
 
@@ -895,8 +1032,8 @@ def main(argv):
 
     if cfg.dry_run:
         print("config:", " ".join(f"{k}={v}" for k, v in vars(cfg).items()))
-        print(f"model: {cfg.model} n_embd={config.n_embd} n_layer={config.n_layer} n_head={config.n_head} "
-              f"n_positions={config.n_positions} vocab={config.vocab_size}")
+        print(f"model: {cfg.init_from or cfg.model} ({type(config).__name__}) n_embd={shape.n_embd} n_layer={shape.n_layer} "
+              f"n_head={shape.n_head} n_positions={shape.n_positions} vocab={config.vocab_size}")
         print(f"parameters: {n_params:,} ({n_params / 1e9:.2f}B)")
         memory = estimate_memory_gb(config, n_params, cfg, world_size, local_world_size)
         fixed = memory["params+grads+AdamW (fp32, sharded)"] + memory["gathered params"] + memory["logits and their gradient"]
@@ -925,8 +1062,9 @@ def main(argv):
         agent_store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                                     is_master=False, timeout=timedelta(minutes=30))
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=rank,
-                            world_size=world_size, timeout=timedelta(minutes=30))
+    # Offloaded gradients are CPU tensors: their norm needs a CPU backend beside NCCL.
+    backend = ("cuda:nccl,cpu:gloo" if cfg.cpu_offload else "nccl") if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
     from torch.distributed.device_mesh import init_device_mesh
 
     if cfg.sharding == "hybrid":
@@ -947,7 +1085,7 @@ def main(argv):
     tokens_per_step = cfg.global_batch_size * cfg.seq_length
     if master:
         print("config:", " ".join(f"{k}={v}" for k, v in vars(cfg).items()), flush=True)
-        print(f"model: {cfg.model}, {n_params:,} parameters ({n_params / 1e9:.2f}B) | world_size={world_size} | "
+        print(f"model: {cfg.init_from or cfg.model}, {n_params:,} parameters ({n_params / 1e9:.2f}B) | world_size={world_size} | "
               f"device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} | "
               f"gradient accumulation {accumulation} | {total_steps} steps of {tokens_per_step:,} tokens", flush=True)
 
@@ -964,7 +1102,7 @@ def main(argv):
             print(f"resumed from {resume_path} at step {start_step}"
                   f"{' (weights only, fresh optimizer)' if cfg.skip_optimizer else ''}", flush=True)
     peak = peak_flops(device)
-    flops_token = flops_per_token(config, n_params, cfg.seq_length)
+    flops_token = flops_per_token(model, config, cfg.seq_length)
 
     # SLURM sends SIGUSR1 (--signal) before the time limit and SIGTERM on preemption: finish the step,
     # checkpoint, exit. Any rank may get it; the flag is summed over ranks so all stop at the same step.
@@ -1034,7 +1172,8 @@ def main(argv):
         stop = torch.tensor(float(len(stop_requests)), device=device)
         dist.all_reduce(stop)
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps or stop.item():
-            trainer_state = {"step": step + 1, "tokens_seen": tokens_seen, "shape": vars(shape), "config": vars(cfg)}
+            trainer_state = {"step": step + 1, "tokens_seen": tokens_seen, "config": vars(cfg),
+                             "shape": {name: getattr(shape, name) for name in SHAPE_NAMES}}
             checkpointer.save(step + 1, model, optimizer, scheduler, batches, trainer_state)
             last_saved = step + 1
         if stop.item():

@@ -78,7 +78,7 @@ def read_metrics(log_dir):
 @pytest.fixture
 def train():
     def run(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
-        result = launch("train.py", [f"--log_dir={tmp_path}", *args], nproc=nproc, **kwargs)
+        result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *args], nproc=nproc, **kwargs)
         if expect_ok:
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
         return result

@@ -1,0 +1,200 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train as train_script
+from conftest import REPO, launch, read_metrics
+
+# Published parameter counts (model cards and papers; GPT-2's with the vocabulary padded to 50304).
+PUBLISHED = {
+    "gpt2": 124e6, "gpt2-medium": 355e6, "gpt2-large": 774e6, "gpt2-xl": 1.558e9, "4b": 4.01e9,
+    "llama2-7b": 6.74e9, "llama2-13b": 13.0e9, "llama2-70b": 69.0e9, "llama3.1-8b": 8.03e9,
+    "llama3.1-70b": 70.6e9, "llama3.2-1b": 1.24e9, "llama3.2-3b": 3.21e9, "mistral-7b": 7.24e9,
+    "mixtral-8x7b": 46.7e9,
+}
+DECODER_LAYERS = {"GPT2Config": "GPT2Block", "LlamaConfig": "LlamaDecoderLayer",
+                  "MistralConfig": "MistralDecoderLayer", "MixtralConfig": "MixtralDecoderLayer"}
+# tiny-llama with a global batch of 2 micro-steps on 2 processes, so accumulation is exercised too.
+TINY_LLAMA = ["--model=tiny-llama", "--compile=False", "--batch_size=4", "--global_batch_size=16",
+              "--seq_length=64", "--lr=3e-3", "--min_lr=1e-4", "--warmup_steps=2", "--log_every=1", "--max_steps=6"]
+
+
+def meta_model(*args):
+    cfg = train_script.parse_args(list(args))
+    config = train_script.model_config(train_script.resolve_shape(cfg))
+    return train_script.build_meta_model(config), config
+
+
+@pytest.mark.parametrize("preset", train_script.MODEL_PRESETS)
+def test_preset_builds_on_meta_with_its_published_size(preset):
+    model, config = meta_model(f"--model={preset}")
+    n_params = sum(p.numel() for p in model.parameters())
+    if preset in PUBLISHED:
+        assert n_params == pytest.approx(PUBLISHED[preset], rel=0.01)
+    else:  # the tiny CPU presets
+        assert 1e6 < n_params < 5e6
+    assert type(train_script.decoder_layers(model)[0]).__name__ == DECODER_LAYERS[type(config).__name__]
+
+
+def test_llama3_2_ties_embeddings_and_llama3_1_does_not():
+    small, _ = meta_model("--model=llama3.2-1b")
+    large, _ = meta_model("--model=llama3.1-8b")
+    assert small.get_output_embeddings().weight is small.get_input_embeddings().weight
+    assert large.get_output_embeddings().weight is not large.get_input_embeddings().weight
+
+
+def test_shape_constants_override_every_family():
+    model, config = meta_model("--model=tiny-mixtral", "--n_embd=128", "--n_layer=3", "--n_head=2",
+                               "--n_positions=64", "--vocab_size=300")
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (128, 3, 2)
+    assert config.max_position_embeddings == 64 and config.vocab_size == 320  # padded to a multiple of 64
+    assert len(train_script.decoder_layers(model)) == 3 and config.num_local_experts == 4
+
+
+def test_mfu_counts_the_active_experts_of_mixtral():
+    """Mixtral 8x7B runs 12.9B of its 46.7B parameters per token; the input embedding is a lookup."""
+    model, config = meta_model("--model=mixtral-8x7b")
+    active = train_script.flops_per_token(model, config, seq_length=0) / 6
+    assert active == pytest.approx(12.9e9 - 32000 * 4096, rel=0.01)
+
+
+def test_gpt2_flops_leave_out_only_the_position_embedding():
+    model, config = meta_model("--model=4b")
+    n_params = sum(p.numel() for p in model.parameters())
+    expected = 6 * (n_params - 2048 * 3072) + 12 * 34 * 3072 * 2048
+    assert train_script.flops_per_token(model, config, seq_length=2048) == expected
+
+
+@pytest.fixture(scope="module")
+def fsdp_llama_losses(tmp_path_factory):
+    """One FSDP run of tiny-llama with selective activation checkpointing, the reference of the other modes."""
+    log_dir = tmp_path_factory.mktemp("fsdp")
+    result = launch("train.py", [f"--log_dir={log_dir}", f"--checkpoint_dir={log_dir}", *TINY_LLAMA,
+                                 "--activation_checkpointing=selective"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return [r["loss"] for r in read_metrics(log_dir)]
+
+
+def test_tiny_llama_learns_with_fsdp(fsdp_llama_losses):
+    assert len(fsdp_llama_losses) == 6 and all(math.isfinite(loss) for loss in fsdp_llama_losses)
+    assert fsdp_llama_losses[0] == pytest.approx(math.log(512), abs=0.3)
+    assert fsdp_llama_losses[-1] < fsdp_llama_losses[0] - 0.2, fsdp_llama_losses
+
+
+@pytest.mark.parametrize("mode", [["--sharding=ddp", "--activation_checkpointing=full"], ["--cpu_offload=True"]])
+def test_ddp_and_cpu_offload_compute_the_fsdp_losses(train, tmp_path, fsdp_llama_losses, mode):
+    """Same initial weights (drawn whole, whatever the wrapping), same batches: the same losses."""
+    train(tmp_path, *TINY_LLAMA, *mode, "--run_name=mode")
+    assert [r["loss"] for r in read_metrics(tmp_path)] == pytest.approx(fsdp_llama_losses, rel=1e-4)
+    resumed = train(tmp_path, *TINY_LLAMA, *mode, "--run_name=mode", "--max_steps=8")
+    assert "resumed from" in resumed.stdout and "at step 6" in resumed.stdout
+    assert [r["step"] for r in read_metrics(tmp_path)][-2:] == [7, 8]
+
+
+def test_tiny_mixtral_learns_with_fsdp_as_in_one_process(train, tmp_path):
+    """Expert weights are sharded like any other; one process accumulating 2 micro-steps computes the same."""
+    train(tmp_path / "two", *TINY_LLAMA, "--model=tiny-mixtral", "--max_steps=4", "--global_batch_size=8")
+    train(tmp_path / "one", *TINY_LLAMA, "--model=tiny-mixtral", "--max_steps=4", "--global_batch_size=8", nproc=0)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "two")]
+    assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
+    assert losses[-1] < losses[0] and len(set(losses)) == 4, losses
+    assert [r["loss"] for r in read_metrics(tmp_path / "one")] == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("tied, sharding", [(False, "full"), (True, "ddp")])
+def test_init_from_starts_at_the_saved_models_loss(train, tmp_path, tied, sharding):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    # A wide initialisation puts its loss far from the log(vocab) of a freshly initialised model.
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, initializer_range=0.2,
+                         tie_word_embeddings=tied)
+    pretrained = LlamaForCausalLM(config).eval()
+    pretrained.save_pretrained(tmp_path / "pretrained")
+    train(tmp_path / "logs", f"--init_from={tmp_path / 'pretrained'}", f"--sharding={sharding}", "--compile=False",
+          "--batch_size=4", "--global_batch_size=8", "--seq_length=64", "--max_steps=1")
+    batch = torch.stack([train_script.dummy_sample(i, 64, 300, train_script.seed) for i in range(8)])
+    with torch.no_grad():
+        logits = pretrained(input_ids=batch[:, :-1]).logits
+    expected = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    assert abs(expected - math.log(300)) > 0.5
+    assert read_metrics(tmp_path / "logs")[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def write_config(tmp_path, text):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_config_file_sets_constants_and_flags_override_it(tmp_path, capsys):
+    path = write_config(tmp_path, "model: tiny-llama\nbatch_size: 2\nlr: 1e-4\ncompile: false\nn_layer: null\n")
+    cfg = train_script.parse_args([f"--config={path}", "--batch_size=4"])
+    assert (cfg.model, cfg.batch_size, cfg.lr, cfg.compile) == ("tiny-llama", 4, 1e-4, False)
+    assert train_script.main(["--dry_run", f"--config={path}", "--global_batch_size=8"]) == 0
+    out = capsys.readouterr().out
+    assert "model=tiny-llama" in out and "batch_size=2 " in out and "global_batch_size=8 " in out
+
+
+@pytest.mark.parametrize("text, message", [
+    ("batch_sise: 4\n", "run.yaml: unknown key 'batch_sise'; did you mean batch_size?"),
+    ("batch_size: four\n", "run.yaml: batch_size expects an integer, got 'four'"),
+    ("batch_size: 2.5\n", "run.yaml: batch_size expects an integer, got 2.5"),
+    ("compile: 1.0\n", "run.yaml: compile expects true or false, got 1.0"),
+    ("model: 7\n", "run.yaml: model expects a string, got 7"),
+    ("- model\n", "run.yaml: expected a mapping of name: value, got list"),
+])
+def test_config_file_errors_are_one_line_naming_file_and_key(tmp_path, capsys, text, message):
+    path = write_config(tmp_path, text)
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([f"--config={path}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and str(tmp_path) in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--activation_checkpointing=some"], "--activation_checkpointing=some is not one of: none, full, selective"),
+    (["--sharding=ddp", "--cpu_offload=True"], "--cpu_offload=True needs FSDP"),
+    (["--init_from=/nonexistent/model"], "--init_from=/nonexistent/model: "),
+    (["--init_from={saved}", "--n_layer=2"], "brings its own shape; drop --n_embd"),
+])
+def test_bad_model_options_are_one_clear_line(args, message, capsys, tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([arg.format(saved=tmp_path) for arg in args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.skipif(not hasattr(train_script, "tokenizer"),
+                    reason="the example configs name the data branch's constants (data=wikitext|c4, tokenizer)")
+@pytest.mark.parametrize("name", ["gpt2-4b-wikitext.yaml", "llama3.2-1b-c4.yaml"])
+def test_example_configs_pass_the_checks(name, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = train_script.parse_args([f"--config={REPO / 'configs' / name}"])
+    train_script.check_config(cfg, train_script.resolve_shape(cfg), world_size=8)
+
+
+@pytest.mark.parametrize("mode, wrapped", [("none", []), ("full", [0, 1, 2, 3]), ("selective", [1, 3]), ("true", [0, 1, 2, 3])])
+def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped):
+    import torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    cfg = train_script.parse_args(["--model=tiny-llama", "--n_layer=4", "--compile=False", "--sharding=ddp",
+                                   f"--activation_checkpointing={mode}", "--ac_every=2"])
+    shape = train_script.resolve_shape(cfg)
+    train_script.check_config(cfg, shape, world_size=1)
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = train_script.build_model(train_script.model_config(shape), cfg, torch.device("cpu"), mesh=None)
+    finally:
+        dist.destroy_process_group()
+    layers = model.module.model.layers
+    assert [i for i, layer in enumerate(layers) if isinstance(layer, CheckpointWrapper)] == wrapped
