@@ -50,7 +50,6 @@ seq_length: int | None = None       # tokens per sequence; None: the model's n_p
 global_batch_size: int = 256        # sequences per optimizer step, whatever the number of processes
 num_epochs: int = 1
 max_steps: int = -1                 # -1: num_epochs passes over the data
-# Data
 tokenizer: str = "gpt2"             # AutoTokenizer name or local folder (real data); the vocabulary follows it
 text_column: str = "text"           # the column of .jsonl/.parquet/hub data holding the text
 val_fraction: float = 0.005         # share of a local corpus held out for validation when it has no validation file
