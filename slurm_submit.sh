@@ -76,6 +76,10 @@ else
               --global_batch_size=$(( 4 * world * ((4 + world - 1) / world) ))
               --lr=3e-3 --warmup_steps=4 --compile=False --activation_checkpointing=False
               --log_every=5 --log_dir=logs/quickstart)
+  # outside SLURM this is the quick start: a new run each time, which shows the loss falling again
+  # rather than resuming the finished one (pass --run_name=... to resume instead)
+  [ -n "${SLURM_JOB_ID:-}" ] || train_args+=(--checkpoint_dir=logs/quickstart/checkpoints --keep_last=1
+                                             --run_name="quickstart-$(date +%Y%m%d-%H%M%S)")
 fi
 if [ "$BENCHMARK_ONLY" = 1 ]; then bench_args+=("$@"); else train_args+=("$@"); fi
 

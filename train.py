@@ -265,16 +265,6 @@ def check_config(cfg, shape, world_size):
         identity = {k: v for k, v in vars(cfg).items() if k not in OPERATIONAL}
         digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
         cfg.run_name = f"{cfg.model}-{digest}"
-    if cfg.dry_run:
-        return
-    run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name)
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as error:
-        raise ConfigError(f"--checkpoint_dir={cfg.checkpoint_dir} is not writable ({error.strerror}); "
-                          f"point it at a writable shared folder")
 
 
 # --------------------------------------------------------------------------------------------
@@ -1043,6 +1033,12 @@ def main(argv):
         print(f"  {'total without':<38} {fixed + memory['activations without checkpointing']:8.1f} GB")
         return 0
 
+    try:  # before any process group or model: a folder we cannot write to would fail the first save
+        os.makedirs(os.path.join(cfg.checkpoint_dir, cfg.run_name), exist_ok=True)
+        with tempfile.TemporaryFile(dir=os.path.join(cfg.checkpoint_dir, cfg.run_name)):
+            pass
+    except OSError as error:
+        fail(f"--checkpoint_dir={cfg.checkpoint_dir} is not writable ({error.strerror}); point it at a writable shared folder")
     start_time = time.perf_counter()
     if "RANK" not in os.environ:  # a plain `python train.py`: a process group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
