@@ -56,25 +56,26 @@ def main():
         param.grad = torch.randn_like(param)
     optimizer.step()
     n_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # weights + 2 moments
-    state = {"step": 1, "tokens_seen": 0, "data": {}, "shape": vars(shape), "config": vars(cfg)}
+    batches = train.open_batches(cfg, train.parse_source(cfg), shape, None, 1, 0, 1, device)[0]
+    state = {"step": 1, "tokens_seen": 0, "config": vars(cfg), "shape": {k: getattr(shape, k) for k in train.SHAPE_NAMES}}
 
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     disk = disk_write_gbps(args.dir, n_bytes)
     checkpointer = train.Checkpointer(cfg, 0, 1)
     start = time.perf_counter()
-    checkpointer.save(1, model, optimizer, scheduler, state)
+    checkpointer.save(1, model, optimizer, scheduler, batches, state)
     sync_seconds = time.perf_counter() - start
 
     cfg.async_checkpoint = True
     async_checkpointer = train.Checkpointer(cfg, 0, 1)
     start = time.perf_counter()
-    async_checkpointer.save(2, model, optimizer, scheduler, state)
+    async_checkpointer.save(2, model, optimizer, scheduler, batches, state)
     blocked_seconds = time.perf_counter() - start
     async_checkpointer.finish()
 
     start = time.perf_counter()
-    checkpointer.load(os.path.join(args.dir, "bench", "step_1"), model, optimizer, scheduler, shape)
+    checkpointer.load(os.path.join(args.dir, "bench", "step_1"), model, optimizer, scheduler, shape, batches)
     load_seconds = time.perf_counter() - start
     shutil.rmtree(args.dir, ignore_errors=True)
 
