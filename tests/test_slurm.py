@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -54,11 +55,16 @@ def job(job_id):
     return dict(re.findall(r"(\w+)=(\S*)", line))
 
 
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+         "PREEMPTED"}
+
+
 def wait(job_id, tmp, timeout=240, on_poll=None):
     """Polls until the job has ended (sbatch --wait polls with growing pauses of up to 30 s); returns its
     fields and its .out and .err logs."""
     deadline = time.time() + timeout
-    while (fields := job(job_id))["JobState"] in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED"):
+    # a live job also shows transient states (SIGNALING while SIGUSR1 goes out, REQUEUED, ...)
+    while (fields := job(job_id))["JobState"] not in ENDED:
         if time.time() > deadline:
             subprocess.run(["scancel", job_id])
             pytest.fail(f"job {job_id} still {fields['JobState']} after {timeout} s:\n{log(tmp, job_id)}")
@@ -101,22 +107,44 @@ def test_training_across_two_nodes_writes_a_checkpoint(cluster, tmp_path):
     assert list((tmp_path / "ckpt").glob("*/step_4")), output
 
 
+def training_processes(job_id):
+    """The job's training processes on this host (both "nodes"): the children of its torchruns."""
+    pgrep = ["pgrep", "-d,", "-f", "--", f"--rdzv_id={job_id} "]
+    launchers = subprocess.run(pgrep, capture_output=True, text=True).stdout.strip()
+    children = subprocess.run(["pgrep", "-P", launchers], capture_output=True, text=True).stdout if launchers else ""
+    return [int(pid) for pid in children.split()]
+
+
 def test_time_limit_checkpoints_requeues_and_resumes(cluster, tmp_path):
-    # SIGUSR1 is due 35 s into the 1-minute run; slurmctld sends it up to ~15 s earlier or ~5 s later.
-    # Training starts ~24 s in and would take ~21 s more (0.21 s a step), so the signal lands mid-training
-    # (had it come before train.py catches it, the launcher would hold it until then: a stop at step 1).
-    max_steps = 100
+    # slurmctld checks time limits every 30 s and sends --signal at the first check at most 30 s before it
+    # is due: due 30 s into this run, it comes 0-30 s in, and training starts ~12-25 s in. So that it
+    # lands mid-training on a fast or a slow machine, the test pauses training (SIGSTOP) after step 3 until
+    # the batch script has the signal, like a long run would still be training. A signal that comes before
+    # train.py catches it is held by the launcher until it does: then the stop is after step 1.
+    # The 2-minute limit leaves a busy machine time to start, stop and checkpoint.
+    max_steps = 40
     job_id = submit("slurm_submit.sh", tmp_path, *TINY, f"--max_steps={max_steps}", "--checkpoint_every=1000",
                     f"--log_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ckpt",
-                    sbatch=["--nodes=2", "--time=1", "--signal=B:USR1@25"], SKIP_BENCHMARK="1")
+                    sbatch=["--nodes=2", "--time=2", "--signal=B:USR1@90"], SKIP_BENCHMARK="1")
+    paused = {"pids": [], "done": False}
 
-    def lift_time_limit(fields):
+    def pause_until_signalled(fields):
+        signalled = "SIGUSR1" in log(tmp_path, job_id)
+        if paused["pids"] and signalled:
+            for pid in paused["pids"]:
+                os.kill(pid, signal.SIGCONT)
+            paused["pids"], paused["done"] = [], True
+        elif not paused["done"] and not signalled and (tmp_path / "logs" / "metrics.jsonl").exists() \
+                and len(metrics(tmp_path / "logs")) >= 3:
+            paused["pids"] = training_processes(job_id)
+            for pid in paused["pids"]:
+                os.kill(pid, signal.SIGSTOP)
         # The requeued run would get the same early SIGUSR1 and requeue again; a longer limit lets it
         # finish, as a real job's next run would.
-        if fields["Restarts"] == "1" and fields["TimeLimit"] == "00:01:00":
+        if fields["Restarts"] == "1" and fields["TimeLimit"] == "00:02:00":
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=5"], check=True)
 
-    fields, output = wait(job_id, tmp_path, on_poll=lift_time_limit)
+    fields, output = wait(job_id, tmp_path, on_poll=pause_until_signalled)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", output
     assert fields["Restarts"] == "1", f"no requeue: did training end before SIGUSR1 came?\n{output}"
     resumed = re.search(r"^resumed from.*\bstep[_ ](\d+)", output, re.M)
