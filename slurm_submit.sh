@@ -116,16 +116,16 @@ restarts=${SLURM_RESTART_COUNT:-0}
 device=$([ "$gpus" -gt 0 ] && echo GPUs || echo CPU)
 echo "$(date +%T) $where: SLURM_RESTART_COUNT=$restarts, $nproc processes per node ($device)"
 
-# SIGUSR1 for the local workers (children of this job's torchrun) that catch it: a worker that has not set
-# its handler yet would die of it. The batch shell runs on the first node; train.py tells the other ranks.
+# SIGUSR1 for one local worker (a child of this job's torchrun) that catches it: a worker that has not set
+# its handler yet would die of it. One is enough: train.py shares the stop flag with every rank, on every node.
 signal_workers() {
-  local launchers pid mask sent=1
+  local launchers pid mask
   launchers=$(pgrep -d, -f -- "--rdzv_id=$SLURM_JOB_ID( |\$)") || return 1
   for pid in $(pgrep -P "$launchers"); do
     mask=$(awk '/^SigCgt/ {print $2}' "/proc/$pid/status" 2>/dev/null) || continue
-    (( 0x${mask:-0} & 0x200 )) && kill -USR1 "$pid" 2>/dev/null && sent=0
+    if (( 0x${mask:-0} & 0x200 )) && kill -USR1 "$pid" 2>/dev/null; then return 0; fi
   done
-  return $sent
+  return 1
 }
 
 # Runs one phase on every node. In the background because bash runs a trap only while waiting on a builtin;

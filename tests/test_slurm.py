@@ -120,7 +120,8 @@ def test_time_limit_checkpoints_requeues_and_resumes(cluster, tmp_path):
     # is due: due 30 s into this run, it comes 0-30 s in, and training starts ~12-25 s in. So that it
     # lands mid-training on a fast or a slow machine, the test pauses training (SIGSTOP) after step 3 until
     # the batch script has the signal, like a long run would still be training. A signal that comes before
-    # train.py catches it is held by the launcher until it does: then the stop is after step 1.
+    # train.py catches it is held by the launcher until it does: then the stop is after step 1. The
+    # launcher signals one of the 4 ranks; train.py tells the others, on both nodes.
     # The 2-minute limit leaves a busy machine time to start, stop and checkpoint.
     max_steps = 40
     job_id = submit("slurm_submit.sh", tmp_path, *TINY, f"--max_steps={max_steps}", "--checkpoint_every=1000",
