@@ -1110,7 +1110,7 @@ def main(argv):
     writer = open_tensorboard(cfg) if master else None
     model.train()
     window_start, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
-    bad_steps, last_saved = 0, start_step
+    bad_steps, last_saved, stopped = 0, start_step, False
     for step in range(start_step, total_steps):
         for micro in range(accumulation):
             inputs, targets = next(batches)
@@ -1166,28 +1166,34 @@ def main(argv):
             loss_sum.zero_()
         stop = torch.tensor(float(len(stop_requests)), device=device)
         dist.all_reduce(stop)
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps or stop.item():
+        stopped = bool(stop.item()) and step + 1 < total_steps  # a signal at the last step changes nothing
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps or stopped:
             trainer_state = {"step": step + 1, "tokens_seen": tokens_seen, "config": vars(cfg),
                              "shape": {name: getattr(shape, name) for name in SHAPE_NAMES}}
             checkpointer.save(step + 1, model, optimizer, scheduler, batches, trainer_state)
             last_saved = step + 1
-        if stop.item():
-            checkpointer.finish()
-            if master:
-                print(f"stopped by signal after step {step + 1}; checkpoint saved, relaunch to resume", flush=True)
-            dist.barrier()
-            dist.destroy_process_group()
-            return STOPPED_BY_SIGNAL
+        if stopped:
+            break
     checkpointer.finish()
     if last_saved == total_steps:
         export_pretrained(model, config, tokenizer, os.path.join(checkpointer.run_dir, "final_model"), rank)
     if master:
-        print(f"done: {total_steps} steps in {time.perf_counter() - start_time:.1f} s", flush=True)
+        if stopped:
+            print(f"stopped by signal after step {last_saved}; checkpoint saved, relaunch to resume", flush=True)
+        else:
+            print(f"done: {total_steps} steps in {time.perf_counter() - start_time:.1f} s", flush=True)
         metrics_file.close()
+        if writer is not None:
+            writer.close()
     dist.barrier()  # a rank leaving while gloo still talks to it aborts the other
     dist.destroy_process_group()
-    return 0
+    return STOPPED_BY_SIGNAL if stopped else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    # Skip the interpreter's teardown: the loader's daemon thread may be inside tokenizer or Arrow code,
+    # and finalising around it can abort a process whose run has already finished and saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
