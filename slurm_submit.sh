@@ -66,6 +66,9 @@ read -ra bench_args <<< "$BENCHMARK_ARGS"
 train_args=()
 if [ "$gpus" -gt 0 ]; then
   nproc=$gpus
+  # GPU runs train on wikitext-103 unless the arguments say otherwise; compute nodes without internet
+  # need `python train.py --prepare_only --data=wikitext` run once on a login node (train.py says so)
+  train_args=(--data=wikitext)
 else
   # no GPU: a run small enough for CPUs; the script's arguments come last, so they override it
   nproc=$NPROC_PER_NODE
