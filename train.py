@@ -6,7 +6,7 @@
 
 Edit the constants below, set them in a YAML file given as --config=FILE.yaml, or override any of them
 as --name=value (bare --flag means True); flags win over the file.
-Read top to bottom: configuration, data, model, optimizer, logging, main().
+Read top to bottom: configuration, data, model, optimizer, checkpoints, logging, main().
 """
 import copy
 import difflib
