@@ -995,6 +995,10 @@ def fail(message):
 
 # --------------------------------------------------------------------------------------------
 def main(argv):
+    if {"-h", "--help"} & set(argv):  # the help is the constants block itself, with its comments
+        source = open(__file__).read()
+        print(__doc__ + "\nOptions (--name=value):\n" + source[source.index("# Model: a preset"):source.index("\nCHOICES")])
+        return 0
     try:
         cfg = parse_args(argv)
         shape = resolve_shape(cfg)

@@ -72,3 +72,12 @@ def test_bad_input_is_one_clear_line(args, env, message, capsys, monkeypatch):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_help_lists_every_option_with_its_default_and_comment(capsys):
+    import train as train_script
+
+    assert train_script.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "global_batch_size: int = 256        # sequences per optimizer step" in out
+    assert all(f"\n{name}:" in out for name in ("model", "data", "sharding", "checkpoint_every", "dry_run"))
