@@ -791,9 +791,14 @@ def lr_factor(step, cfg, total_steps):
 # Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/, written under a temporary name and renamed
 # once every rank has finished, so a folder named step_<N> is always complete.
 # --------------------------------------------------------------------------------------------
+def checkpoint_steps(run_dir):
+    """Steps of the complete checkpoints of a run, oldest first (step_N.tmp folders are not complete)."""
+    return sorted(int(m.group(1)) for name in os.listdir(run_dir) if (m := re.fullmatch(r"step_(\d+)", name)))
+
+
 def newest_checkpoint(run_dir):
-    steps = [int(m.group(1)) for name in os.listdir(run_dir) if (m := re.fullmatch(r"step_(\d+)", name))]
-    return os.path.join(run_dir, f"step_{max(steps)}") if steps else None
+    steps = checkpoint_steps(run_dir)
+    return os.path.join(run_dir, f"step_{steps[-1]}") if steps else None
 
 
 def model_and_optimizer_state(model, optimizer, full):
@@ -864,8 +869,7 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(final, ignore_errors=True)
             os.rename(temporary, final)
-            steps = sorted(int(name[5:]) for name in os.listdir(self.run_dir) if re.fullmatch(r"step_\d+", name))
-            for old in steps[: -self.cfg.keep_last] if self.cfg.keep_last else []:
+            for old in checkpoint_steps(self.run_dir)[: -self.cfg.keep_last] if self.cfg.keep_last else []:
                 shutil.rmtree(os.path.join(self.run_dir, f"step_{old}"), ignore_errors=True)
             print(f"checkpoint saved: {final}", flush=True)
         dist.barrier()
@@ -1037,9 +1041,10 @@ def main(argv):
         print(f"  {'total without':<38} {fixed + memory['activations without checkpointing']:8.1f} GB")
         return 0
 
+    run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name)
     try:  # before any process group or model: a folder we cannot write to would fail the first save
-        os.makedirs(os.path.join(cfg.checkpoint_dir, cfg.run_name), exist_ok=True)
-        with tempfile.TemporaryFile(dir=os.path.join(cfg.checkpoint_dir, cfg.run_name)):
+        os.makedirs(run_dir, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
             pass
     except OSError as error:
         fail(f"--checkpoint_dir={cfg.checkpoint_dir} is not writable ({error.strerror}); point it at a writable shared folder")
@@ -1114,7 +1119,7 @@ def main(argv):
     writer = open_tensorboard(cfg) if master else None
     model.train()
     window_start, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
-    bad_steps, last_saved, stopped = 0, start_step, False
+    bad_steps, stopped = 0, False
     for step in range(start_step, total_steps):
         for micro in range(accumulation):
             inputs, targets = next(batches)
@@ -1175,15 +1180,14 @@ def main(argv):
             trainer_state = {"step": step + 1, "tokens_seen": tokens_seen, "config": vars(cfg),
                              "shape": {name: getattr(shape, name) for name in SHAPE_NAMES}}
             checkpointer.save(step + 1, model, optimizer, scheduler, batches, trainer_state)
-            last_saved = step + 1
         if stopped:
             break
     checkpointer.finish()
-    if last_saved == total_steps:
+    if not stopped:
         export_pretrained(model, config, tokenizer, os.path.join(checkpointer.run_dir, "final_model"), rank)
     if master:
         if stopped:
-            print(f"stopped by signal after step {last_saved}; checkpoint saved, relaunch to resume", flush=True)
+            print(f"stopped by signal after step {step + 1}; checkpoint saved, relaunch to resume", flush=True)
         else:
             print(f"done: {total_steps} steps in {time.perf_counter() - start_time:.1f} s", flush=True)
         metrics_file.close()
