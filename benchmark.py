@@ -49,8 +49,8 @@ SECTIONS = ("gpu", "nccl", "links", "storage", "cpu", "memory")
 
 # Vendor datasheet peaks per GPU, DENSE (the datasheets print tensor figures with 2:4 sparsity;
 # these are half of those): TFLOPS, HBM bandwidth in GB/s and HBM capacity in GB as printed there
-# (train.py --dry_run judges fit against it; an "80GB" H100 holds 80 GiB, so this errs on the safe side). Matched by substring of
-# torch.cuda.get_device_name() in this order, so the more specific names come first
+# (train.py --dry_run judges fit against it; an "80GB" H100 holds 80 GiB, so this errs on the safe
+# side). Matched by substring of torch.cuda.get_device_name() in this order, so the more specific names come first
 # ("GH200" contains "H200", "H100 PCIe" contains "H100"). Sources: docs/BENCHMARK_FEATURES.md.
 HOPPER = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9}  # SXM, 700 W
 HOPPER_NVL = {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5}  # PCIe card, 350-400 W
