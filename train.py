@@ -8,11 +8,13 @@ Edit the constants below, set them in a YAML file given as --config=FILE.yaml, o
 as --name=value (bare --flag means True); flags win over the file.
 Read top to bottom: configuration, data, model, optimizer, checkpoints, logging, main().
 """
+import contextlib
 import copy
 import difflib
 import functools
 import glob
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -70,6 +72,7 @@ cpu_offload: bool = False           # FSDP keeps parameters, gradients and optim
 activation_checkpointing: str = "full"  # none | full (every block) | selective (every ac_every-th block)
 ac_every: int = 2                   # selective checkpoints layers ac_every, 2·ac_every, ...
 compile: bool = True                # torch.compile each transformer block
+mixed_precision: str = "auto"       # bf16 (bf16 compute, fp32 weights and gradient reduction) | fp32 | auto: bf16 on GPU
 # Checkpoints and fault tolerance
 checkpoint_dir: str = "checkpoints"
 run_name: str | None = None         # None: derived from the arguments, so a relaunch or requeue resumes
@@ -84,14 +87,17 @@ max_bad_steps: int = 5              # stop after this many non-finite steps in a
 log_every: int = 10
 log_dir: str = "logs"
 tensorboard: bool = True            # used when the tensorboard package is installed
-dry_run: bool = False               # print config, parameter count and memory estimate, then exit
+dry_run: bool = False               # simulate training steps on fake tensors: peak memory per GPU, FLOPs; no training
+world_size: int | None = None       # dry run: the world size simulated; None: $WORLD_SIZE, else 8
+gpus_per_node: int = 8              # dry run: GPUs per node, for --sharding=hybrid
+gpu: str = "H100"                   # dry run: a GPU of benchmark.py's datasheet (its memory), or its memory in GB
 
 CHOICES = {"sharding": ("full", "grad_op", "hybrid", "ddp"), "ckpt_format": ("sharded", "full"),
-           "activation_checkpointing": ("none", "full", "selective")}
+           "activation_checkpointing": ("none", "full", "selective"), "mixed_precision": ("auto", "bf16", "fp32")}
 # Options that change how a run is operated but not what it computes: left out of the default run_name.
 OPERATIONAL = {"run_name", "checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume_from",
                "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
-               "prepare_only", "eval_every", "eval_batches"}
+               "prepare_only", "eval_every", "eval_batches", "world_size", "gpus_per_node", "gpu"}
 STOPPED_BY_SIGNAL = 75              # exit status after a signal-triggered checkpoint: the launcher requeues
 
 GPT2_VOCAB = 50257                  # token ids of the gpt2 tokenizer
@@ -134,6 +140,7 @@ SHAPE_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head"
                "n_positions": "max_position_embeddings", "vocab_size": "vocab_size"}
 DUMMY_EPOCH_SAMPLES = 2**20         # what one epoch of dummy data means for num_epochs
 DUMMY_PERIOD = 8                   # each dummy sequence repeats a random block of this many tokens
+LOSS_CHUNK_BYTES = 256e6            # the loss computes the fp32 logits of this many bytes at a time
 
 
 class ConfigError(ValueError):
@@ -230,6 +237,8 @@ def check_config(cfg, shape, world_size):
     # true and false: the values from before the option had a selective mode
     cfg.activation_checkpointing = {"true": "full", "false": "none"}.get(cfg.activation_checkpointing.lower(),
                                                                         cfg.activation_checkpointing)
+    if cfg.mixed_precision == "auto":  # a dry run simulates the GPU
+        cfg.mixed_precision = "bf16" if cfg.dry_run or torch.cuda.is_available() else "fp32"
     for name, choices in CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"--{name}={getattr(cfg, name)} is not one of: {', '.join(choices)}")
@@ -237,7 +246,7 @@ def check_config(cfg, shape, world_size):
         if getattr(shape, name) <= 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(shape, name)}")
     for name in ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every", "checkpoint_every",
-                 "max_bad_steps", "ac_every"):
+                 "max_bad_steps", "ac_every", "gpus_per_node"):
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
     if shape.n_embd % shape.n_head:
@@ -245,6 +254,8 @@ def check_config(cfg, shape, world_size):
     if cfg.seq_length > shape.n_positions:
         raise ConfigError(f"--seq_length={cfg.seq_length} exceeds the model's {shape.n_positions} positions; "
                           f"lower --seq_length or raise --n_positions")
+    if world_size <= 0:
+        raise ConfigError(f"--world_size must be positive, got {world_size}")
     per_micro_step = cfg.batch_size * world_size
     if cfg.global_batch_size % per_micro_step:
         raise ConfigError(f"--global_batch_size={cfg.global_batch_size} is not divisible by batch_size x world size "
@@ -610,8 +621,7 @@ def open_batches(cfg, source, shape, tokenizer, world_size, rank, accumulation, 
 def evaluate(model, batches, n_batches, world_size):
     """Mean validation loss over n_batches micro-batches of every rank."""
     model.eval()
-    total = sum(F.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1).float(), targets.flatten())
-                for inputs, targets in (next(batches) for _ in range(n_batches)))
+    total = sum(model_loss(model, inputs, targets) for inputs, targets in (next(batches) for _ in range(n_batches)))
     model.train()
     dist.all_reduce(total)
     return total.item() / (n_batches * world_size)
@@ -662,26 +672,6 @@ def flops_per_token(model, config, seq_length):
     return 6 * n_matmul + 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_length
 
 
-def estimate_memory_gb(config, n_params, cfg, world_size, local_world_size, on_gpu=True):
-    """Rough bytes per GPU with bf16 compute: sharded fp32 state, gathered bf16 blocks, activations
-    (Korthikanti et al. 2022: 34·s·b·h bytes per layer without the s² attention matrix that SDPA never
-    stores; 2·s·b·h per layer plus one recomputed layer with activation checkpointing) and the logits."""
-    shards = {"hybrid": local_world_size, "ddp": 1}.get(cfg.sharding, world_size)
-    s, b, h, L, V = cfg.seq_length, cfg.batch_size, config.hidden_size, config.num_hidden_layers, config.vocab_size
-    block = (n_params - V * h * (1 if config.tie_word_embeddings else 2)) / L
-    act_bytes = 2 if on_gpu else 4
-    gathered = n_params * act_bytes if cfg.sharding in ("grad_op", "ddp") else (n_params - L * block + 2 * block) * act_bytes
-    layer_activations = 34 * s * b * h * act_bytes / 2
-    parts = {
-        "params+grads+AdamW (fp32, sharded)": 0 if cfg.cpu_offload else 16 * n_params / shards,  # offload: host memory
-        "gathered params": gathered,
-        "activations without checkpointing": L * layer_activations,
-        "activations with checkpointing": L * 2 * s * b * h * act_bytes / 2 + layer_activations,
-        "logits and their gradient": s * b * V * (act_bytes + 4 + 4),
-    }
-    return {k: v / 1e9 for k, v in parts.items()}
-
-
 @torch.no_grad()
 def init_weights(model, std, n_layer, seed):
     """GPT-2's initialisation: N(0, 0.02) weights, residual projections (GPT-2's c_proj, Llama's o_proj and
@@ -723,16 +713,31 @@ def load_pretrained(model, name_or_path):
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
-class DistributedDataParallel(torch.nn.parallel.DistributedDataParallel):
-    def set_requires_gradient_sync(self, requires_gradient_sync):
-        """FSDP2's call for what DDP's no_sync() context switches, so that the training loop serves both."""
-        self.require_backward_grad_sync = requires_gradient_sync
+def precision_policy(cfg):
+    """FSDP's mixed precision for --mixed_precision=bf16: bf16 compute, fp32 master weights and gradient
+    reduction. Inputs are not cast per block (torchtitan's choice): the embeddings already hand bf16 on."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if cfg.mixed_precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
+def unpacked_sequences(position_ids):
+    """Every row of a batch is one window of a corpus, never several documents packed together. transformers
+    asks its data to find out, which costs a device-to-host sync per forward and, on fake tensors, a full
+    seq x seq mask that a real run never allocates."""
+    return None
 
 
 def build_model(config, cfg, device, mesh):
+    """The model wrapped for training, weights allocated but not yet initialised (init_weights or
+    load_pretrained follow)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    import transformers.masking_utils
 
+    transformers.masking_utils.find_packed_sequence_indices = unpacked_sequences
     model = build_meta_model(config)
     blocks = decoder_layers(model)
     for index, block in enumerate(blocks):
@@ -744,40 +749,72 @@ def build_model(config, cfg, device, mesh):
     if cfg.sharding == "ddp":
         model.to_empty(device=device)
         model.tie_weights()  # to_empty gave the tied modules a new tensor each (fully_shard keeps them shared)
-    else:
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" else None
-        fsdp_kwargs = dict(mesh=mesh, reshard_after_forward=cfg.sharding != "grad_op")
-        if mp is not None:
-            fsdp_kwargs["mp_policy"] = mp
-        if cfg.cpu_offload:
-            fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-        for block in blocks:
-            fully_shard(block, **fsdp_kwargs)
-        fully_shard(model, **fsdp_kwargs)
-        model.to_empty(device="cpu" if cfg.cpu_offload else device)
+        init_rotary_embeddings(model, device)
+        if cfg.mixed_precision == "bf16":  # FSDP's mixed precision: bf16 compute, fp32 weights and gradient reduction
+            model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
+        return model
+    fsdp_kwargs = dict(mesh=mesh, mp_policy=precision_policy(cfg))
+    if cfg.cpu_offload:
+        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=cfg.sharding != "grad_op", **fsdp_kwargs)
+    # The root (embeddings, final norm, output layer) stays gathered after forward: the loss and the
+    # backward need it at once.
+    fully_shard(model, reshard_after_forward=False, **fsdp_kwargs)
+    model.to_empty(device="cpu" if cfg.cpu_offload else device)
     init_rotary_embeddings(model, device)
-    if cfg.init_from:
-        load_pretrained(model, cfg.init_from)
-    else:
-        init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
-    if cfg.sharding == "ddp":
-        if device.type == "cuda":  # FSDP's mixed precision: bf16 compute, fp32 weights and gradient reduction
-            model.forward = torch.autocast("cuda", dtype=torch.bfloat16)(model.forward)
-        model = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     return model
+
+
+def wrap_ddp(model, device):
+    """DDP after initialisation: its constructor broadcasts rank 0's weights."""
+    return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+
+
+def final_hidden_states(model, inputs):
+    """The last decoder layer's output after the final norm, taken through the model's own forward (so that
+    FSDP and DDP hooks run) with the output layer applied to no position."""
+    captured = []
+    body = getattr(model, "module", model).base_model
+    handle = body.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        model(input_ids=inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=inputs.device))
+    finally:
+        handle.remove()
+    return captured[0]
+
+
+def chunk_cross_entropy(output_layer, hidden, targets):
+    return F.cross_entropy(output_layer(hidden).float(), targets, reduction="sum")
+
+
+def model_loss(model, inputs, targets, chunk_tokens=None):
+    """Mean next-token cross-entropy. The output layer and the loss run over chunks of the tokens, each
+    checkpointed: the forward keeps no logits, and the backward recomputes one chunk's at a time, so the
+    full fp32 logits, their log-softmax and gradient never exist together (a few GB at 4b and batch 8)."""
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = final_hidden_states(model, inputs).flatten(0, 1)
+    targets = targets.flatten()
+    output_layer = getattr(model, "module", model).get_output_embeddings()
+    if chunk_tokens is None:  # fp32 logits of one chunk: LOSS_CHUNK_BYTES at most
+        chunk_tokens = max(1, int(LOSS_CHUNK_BYTES // (4 * output_layer.out_features)))
+    total = sum(checkpoint(chunk_cross_entropy, output_layer, h, t, use_reentrant=False)
+                for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens)))
+    return total / targets.numel()
 
 
 # --------------------------------------------------------------------------------------------
 # Optimizer and schedule
 # --------------------------------------------------------------------------------------------
-def build_optimizer(model, cfg, device):
+def build_optimizer(model, cfg, fused):
     """AdamW; biases, norms and embeddings get no weight decay."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     decay, no_decay = [], []
     for param in model.parameters():
         (decay if param.ndim >= 2 and id(param) not in embeddings else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
 def lr_factor(step, cfg, total_steps):
@@ -785,6 +822,234 @@ def lr_factor(step, cfg, total_steps):
         return (step + 1) / cfg.warmup_steps
     progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
     return (cfg.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (cfg.lr - cfg.min_lr)) / cfg.lr
+
+
+def clip_gradients(parameters, max_norm):
+    """The global gradient norm, and the gradients scaled to max_norm (0: not clipped). With foreach kernels
+    over DTensors too, where clip_grad_norm_ falls back to one kernel per tensor (as torchtitan does)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    return norm
+
+
+def host_values(tensor):
+    """The step's one device-to-host synchronisation. A simulated step's fake tensors hold no values."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return [0.0] * tensor.numel() if is_fake(tensor) else tensor.tolist()
+
+
+def train_step(model, batches, optimizer, accumulation, grad_clip, stop_requested):
+    """One optimizer step, as the training loop and the dry run's simulation both take it: per micro-batch a
+    forward, the loss and a backward, then clipping and the update, skipped when the gradient norm is not
+    finite. Under FSDP each micro-step reduce-scatters its gradients (as torchtitan does): skipping that
+    would keep a whole unsharded fp32 gradient alive between micro-steps. DDP all-reduces on the last one.
+    Returns the mean loss (a device tensor), the gradient norm and whether any rank asked to stop."""
+    loss = 0.0
+    for micro in range(accumulation):
+        inputs, targets = next(batches)
+        defer_sync = isinstance(model, torch.nn.parallel.DistributedDataParallel) and micro < accumulation - 1
+        with model.no_sync() if defer_sync else contextlib.nullcontext():
+            micro_loss = model_loss(model, inputs, targets) / accumulation
+            micro_loss.backward()
+        loss += micro_loss.detach()
+    grad_norm = clip_gradients(model.parameters(), grad_clip)
+    stop = torch.full((), float(stop_requested), device=grad_norm.device)
+    dist.all_reduce(stop)  # any rank may get the signal; all stop at the same step
+    grad_norm, stop = host_values(torch.stack([grad_norm, stop]))
+    if math.isfinite(grad_norm):  # the norm is global, so every rank takes the same branch
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm, stop > 0
+
+
+# --------------------------------------------------------------------------------------------
+# Dry run: the training step above, run on fake tensors over a fake process group at the target world
+# size, so that a CPU answers "does it fit?" with the real model, wrapping and step.
+# --------------------------------------------------------------------------------------------
+# The tracker's categories, in the words of the dry run's report.
+MEMORY_CATEGORIES = {
+    "sharded parameters": ("Sharded Param", "Parameter", "Buffer"),
+    "gathered parameters": ("Unsharded Param", "All Gather"),
+    "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter", "Gradient"),
+    "optimizer state": ("OptState", "Optstate"),
+    "activations": ("Activation", "Inputs"),
+    "temporaries": ("Temp", "Other"),
+}
+OFFLOADED = ("sharded parameters", "gradients", "optimizer state")
+SIMULATION_BLIND_SPOTS = ("allocator fragmentation, NCCL buffers and the CUDA context (leave a few GB); CPU SDPA stands in "
+                          "for flash attention (both keep the same tensors); blocks run eager, where compiled ones keep "
+                          "no more")
+
+
+def device_mesh(cfg, device_type, world_size, local_world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if cfg.sharding == "hybrid":
+        if world_size % local_world_size:
+            raise ConfigError(f"--sharding=hybrid needs the same number of processes on every node "
+                              f"({world_size} over nodes of {local_world_size})")
+        return init_device_mesh(device_type, (world_size // local_world_size, local_world_size),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world_size,))
+
+
+def simulate_peak_memory(cfg, config, world_size):
+    """Peak bytes per GPU by category over one optimizer step, the second of two (the first allocates the
+    optimizer state, and fake DTensors allocate extra once). Two micro-steps stand for any accumulation:
+    with gradients reduce-scattered every micro-step, the third looks like the second."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    accumulation = min(2, cfg.global_batch_size // (cfg.batch_size * world_size))
+    simulated = copy.copy(cfg)
+    simulated.cpu_offload = False  # see report_dry_run: offloading is subtracted, not simulated
+    simulated.compile = False  # inductor does not run on fake tensors; eager keeps at least what it keeps
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        mesh = device_mesh(simulated, "cpu", world_size, cfg.gpus_per_node)
+        with FakeTensorMode():
+            device = torch.device("cpu")
+            model = build_model(config, simulated, device, mesh)
+            if cfg.sharding == "ddp":
+                model = wrap_ddp(model, device)
+            optimizer = build_optimizer(model, cfg, fused=True)
+            tokens = torch.randint(0, config.vocab_size, (cfg.batch_size, cfg.seq_length))
+            batches = itertools.repeat((tokens, tokens))
+            train_step(model, batches, optimizer, 1, cfg.grad_clip, 0)
+            tracker = FSDPMemTracker(model, optimizer) if cfg.sharding != "ddp" else MemTracker()
+            if cfg.sharding == "ddp":
+                tracker.track_external(model, optimizer)
+            with tracker:
+                # The tracker takes a second forward of the root for a second iteration; a micro-step is not.
+                hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
+                train_step(model, batches, optimizer, accumulation, cfg.grad_clip, 0)
+                hook.remove()
+            snapshot = tracker.get_tracker_snapshot("peak")
+    finally:
+        dist.destroy_process_group()
+    by_kind = {getattr(kind, "value", kind): size for device_snapshot in snapshot.values()
+               for kind, size in device_snapshot.items()}
+    return {name: sum(by_kind.get(kind, 0) for kind in kinds) for name, kinds in MEMORY_CATEGORIES.items()}
+
+
+def peak_gb(cfg, config, world_size):
+    """Simulated peak per GPU in GB; offloaded state counts in host memory, not on the GPU."""
+    memory = simulate_peak_memory(cfg, config, world_size)
+    if cfg.cpu_offload:
+        memory.update({name: 0 for name in OFFLOADED})
+    return {name: size / 1e9 for name, size in memory.items()}
+
+
+def hardware_flops_per_token(cfg, config, model_flops):
+    """What the GPU computes per token, recomputation included: a checkpointed block runs its forward twice,
+    and the chunked loss recomputes the output layer's forward. model_flops (6·N + 12·L·H·Q·T) is three
+    forwards' worth, so a forward is a third of it, the output layer's 2·vocab·width of that."""
+    layers = config.num_hidden_layers
+    checkpointed = {"none": 0, "full": layers, "selective": layers // cfg.ac_every}[cfg.activation_checkpointing]
+    output_forward = 2 * config.vocab_size * config.hidden_size
+    block_forward = (model_flops / 3 - output_forward) / layers
+    return model_flops + checkpointed * block_forward + output_forward
+
+
+def gpu_memory_gb(gpu):
+    """--gpu as (its name, its memory in GB): a name of benchmark.py's datasheet, or a number of GB."""
+    from benchmark import datasheet
+
+    if gpu is None:
+        return None, None
+    try:
+        return f"{float(gpu):g} GB", float(gpu)
+    except ValueError:
+        sheet = datasheet(gpu)
+    if sheet is None:
+        raise ConfigError(f"--gpu={gpu} is not in benchmark.py's datasheet; give its memory in GB instead, e.g. --gpu=80")
+    return gpu, sheet["memory_GB"]
+
+
+def changes_that_might_fit(cfg):
+    """The changes to try, least costly first: full activation checkpointing, then smaller micro-batches
+    with more accumulation (the same global batch), then offloading the model state to host memory."""
+    change = {} if cfg.activation_checkpointing == "full" else {"activation_checkpointing": "full"}
+    if change:
+        yield dict(change)
+    batch = cfg.batch_size
+    while batch > 1:
+        batch //= 2
+        change["batch_size"] = batch
+        yield dict(change)
+    if cfg.sharding != "ddp" and not cfg.cpu_offload:
+        yield dict(change, cpu_offload=True)
+
+
+def report_dry_run(cfg, config, shape, n_params, world_size):
+    """Prints the config, the model, the simulated peak memory per GPU, FLOPs per token and a verdict.
+    Exit status: 0 fits, 1 does not fit, 2 bad input."""
+    try:
+        gpu_name, gpu_gb = gpu_memory_gb(cfg.gpu)
+    except ConfigError as error:
+        fail(error)
+    print("config:", " ".join(f"{k}={v}" for k, v in vars(cfg).items()))
+    print(f"model: {cfg.init_from or cfg.model} ({type(config).__name__}) n_embd={shape.n_embd} n_layer={shape.n_layer} "
+          f"n_head={shape.n_head} n_positions={shape.n_positions} vocab={config.vocab_size}")
+    print(f"parameters: {n_params:,} ({n_params / 1e9:.2f}B)")
+    model_flops = flops_per_token(build_meta_model(config), config, cfg.seq_length)
+    hardware_flops = hardware_flops_per_token(cfg, config, model_flops)
+    print(f"FLOPs per token: {model_flops / 1e9:.2f} G for MFU (6·N + 12·L·H·Q·T), {hardware_flops / 1e9:.2f} G computed "
+          f"with recomputation: at most {model_flops / hardware_flops:.0%} MFU")
+    started = time.perf_counter()
+    memory = peak_gb(cfg, config, world_size)
+    total = sum(memory.values())
+    print(f"simulated one training step on fake tensors: world size {world_size}, sharding={cfg.sharding}, "
+          f"{cfg.mixed_precision}, activation_checkpointing={cfg.activation_checkpointing}, "
+          f"batch {cfg.batch_size} x {cfg.seq_length} ({time.perf_counter() - started:.0f} s)")
+    for name, gb in memory.items():
+        print(f"  {name:<22} {gb:9.3f} GB")
+    if cfg.cpu_offload:
+        print("  estimated for cpu_offload: the simulation without offloading, less the sharded parameters, gradients"
+              " and optimizer state, which offloading keeps in host memory")
+    print(f"not simulated: {SIMULATION_BLIND_SPOTS}")
+    print(f"peak memory per GPU (simulated): {total:.1f} GB of {f'{gpu_gb:.0f} GB ({gpu_name})' if gpu_gb else 'unknown'}")
+    if gpu_gb is None:
+        print("verdict: not judged; name the GPU with --gpu")
+        return 0
+    if total <= gpu_gb:
+        print(f"verdict: fits, {gpu_gb - total:.1f} GB to spare")
+        return 0
+    for change in changes_that_might_fit(cfg):
+        candidate = types.SimpleNamespace(**{**vars(cfg), **change})
+        peak = sum(peak_gb(candidate, config, world_size).values())
+        if peak <= gpu_gb:
+            flags = " ".join(f"--{name}={value}" for name, value in change.items())
+            print(f"verdict: does not fit; fits with {flags} (simulated {peak:.1f} GB)")
+            return 1
+    print("verdict: does not fit, and no change tried fits (full activation checkpointing, batch_size 1, cpu_offload): "
+          "use more GPUs or a smaller model")
+    return 1
+
+
+def check_machine_holds(cfg, n_params, world_size, local_world_size):
+    """Refuses, before any model is built, a run whose weights, gradients and AdamW state alone (16 bytes a
+    parameter in fp32, sharded over the ranks) exceed this node's memory: GPU memory, or host memory."""
+    from benchmark import available_memory_bytes
+
+    shards = 1 if cfg.sharding == "ddp" else world_size
+    if torch.cuda.is_available():
+        needed, where = 16 * n_params / shards, "per GPU"
+        available = torch.cuda.get_device_properties(0).total_memory
+    else:
+        needed, where = 16 * n_params / shards * local_world_size, "of host memory on this node"
+        available = available_memory_bytes()
+    if needed > available:
+        fix = ("on GPUs, check a config with python train.py --dry_run" if torch.cuda.is_available()
+               else "on a CPU use --model=tiny; for GPUs, sbatch slurm_submit.sh (check first with python train.py --dry_run)")
+        fail(f"--model={cfg.init_from or cfg.model} needs at least {needed / 1e9:.1f} GB {where} for its weights, gradients "
+             f"and optimizer state; {available / 1e9:.1f} GB are available: {fix}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -976,12 +1241,38 @@ def open_tensorboard(cfg):
     return SummaryWriter(os.path.join(cfg.log_dir, "tensorboard"))
 
 
+def new_window(device):
+    """What a log line averages: the loss over every step since the last line, and speed over the timed
+    steps among them (not the first, compiling, step; never evaluation or checkpoint writing)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return {"loss": torch.zeros((), device=device), "steps": 0, "seconds": 0.0, "timed": 0}
+
+
+def window_record(window, step, lr, grad_norm, tokens_per_step, samples_per_step, flops_token, peak, world_size,
+                  device, val_loss):
+    timed = window["timed"] > 0
+    tokens_per_s = tokens_per_step * window["timed"] / window["seconds"] if timed else None
+    record = {
+        "step": step, "loss": window["loss"].item() / world_size / window["steps"], "lr": lr, "grad_norm": grad_norm,
+        "tokens_per_s": tokens_per_s,
+        "samples_per_s": samples_per_step * window["timed"] / window["seconds"] if timed else None,
+        "step_time_s": window["seconds"] / window["timed"] if timed else None,
+        "mfu": flops_token * tokens_per_s / (peak * world_size) if peak and timed else None,
+        "peak_mem_GB": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
+        "peak_reserved_GB": torch.cuda.max_memory_reserved(device) / 1e9 if device.type == "cuda" else None,
+    }
+    if val_loss is not None:
+        record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+    return record
+
+
 def log_step(record, metrics_file, writer):
-    mfu = f"{record['mfu']:.1%}" if record["mfu"] is not None else "-"
-    mem = f"{record['peak_mem_GB']:.1f} GB" if record["peak_mem_GB"] is not None else "-"
+    shown = lambda key, text: text.format(record[key]) if record[key] is not None else "-"
     print(f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-          f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:,.0f} tok/s | "
-          f"{record['samples_per_s']:.1f} samples/s | step {record['step_time_s']:.3f} s | MFU {mfu} | mem {mem}"
+          f"grad norm {record['grad_norm']:.3f} | {shown('tokens_per_s', '{:,.0f}')} tok/s | "
+          f"{shown('samples_per_s', '{:.1f}')} samples/s | step {shown('step_time_s', '{:.3f}')} s | "
+          f"MFU {shown('mfu', '{:.1%}')} | mem {shown('peak_mem_GB', '{:.1f}')} / {shown('peak_reserved_GB', '{:.1f}')} GB"
           + (f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}" if "val_loss" in record else ""),
           flush=True)
     metrics_file.write(json.dumps(record) + "\n")
@@ -1008,7 +1299,9 @@ def main(argv):
         shape = resolve_shape(cfg)
         source = parse_source(cfg)
         tokenizer = load_tokenizer(cfg, shape)
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        if cfg.world_size is not None and not cfg.dry_run:
+            raise ConfigError("--world_size is for --dry_run; a training run takes its world size from torchrun")
+        world_size = cfg.world_size or int(os.environ.get("WORLD_SIZE", 8 if cfg.dry_run else 1))
         check_config(cfg, shape, world_size)
     except ConfigError as error:
         fail(error)
@@ -1028,18 +1321,8 @@ def main(argv):
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
     if cfg.dry_run:
-        print("config:", " ".join(f"{k}={v}" for k, v in vars(cfg).items()))
-        print(f"model: {cfg.init_from or cfg.model} ({type(config).__name__}) n_embd={shape.n_embd} n_layer={shape.n_layer} "
-              f"n_head={shape.n_head} n_positions={shape.n_positions} vocab={config.vocab_size}")
-        print(f"parameters: {n_params:,} ({n_params / 1e9:.2f}B)")
-        memory = estimate_memory_gb(config, n_params, cfg, world_size, local_world_size)
-        fixed = memory["params+grads+AdamW (fp32, sharded)"] + memory["gathered params"] + memory["logits and their gradient"]
-        print(f"memory per GPU (estimate, bf16, world size {world_size}, sharding={cfg.sharding}):")
-        for name, gb in memory.items():
-            print(f"  {name:<38} {gb:8.1f} GB")
-        print(f"  {'total with activation checkpointing':<38} {fixed + memory['activations with checkpointing']:8.1f} GB")
-        print(f"  {'total without':<38} {fixed + memory['activations without checkpointing']:8.1f} GB")
-        return 0
+        return report_dry_run(cfg, config, shape, n_params, world_size)
+    check_machine_holds(cfg, n_params, world_size, local_world_size)
 
     run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name)
     try:  # before any process group or model: a folder we cannot write to would fail the first save
@@ -1069,15 +1352,10 @@ def main(argv):
     # Offloaded gradients are CPU tensors: their norm needs a CPU backend beside NCCL.
     backend = ("cuda:nccl,cpu:gloo" if cfg.cpu_offload else "nccl") if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if cfg.sharding == "hybrid":
-        if world_size % local_world_size:
-            fail(f"--sharding=hybrid needs the same number of processes on every node ({world_size} over nodes of {local_world_size})")
-        mesh = init_device_mesh(device.type, (world_size // local_world_size, local_world_size),
-                                mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device.type, (world_size,))
+    try:
+        mesh = device_mesh(cfg, device.type, world_size, local_world_size)
+    except ConfigError as error:
+        fail(error)
     master = rank == 0
 
     accumulation = cfg.global_batch_size // (cfg.batch_size * world_size)
@@ -1094,7 +1372,13 @@ def main(argv):
               f"gradient accumulation {accumulation} | {total_steps} steps of {tokens_per_step:,} tokens", flush=True)
 
     model = build_model(config, cfg, device, mesh)
-    optimizer = build_optimizer(model, cfg, device)
+    if cfg.init_from:
+        load_pretrained(model, cfg.init_from)
+    else:
+        init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
+    if cfg.sharding == "ddp":
+        model = wrap_ddp(model, device)
+    optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
     checkpointer = Checkpointer(cfg, rank, world_size)
     start_step, tokens_seen = 0, 0
@@ -1118,22 +1402,15 @@ def main(argv):
     metrics_file = open(os.path.join(cfg.log_dir, "metrics.jsonl"), "a") if master else None
     writer = open_tensorboard(cfg) if master else None
     model.train()
-    window_start, window_steps, loss_sum = time.perf_counter(), 0, torch.zeros((), device=device)
+    window = new_window(device)
     bad_steps, stopped = 0, False
     for step in range(start_step, total_steps):
-        for micro in range(accumulation):
-            inputs, targets = next(batches)
-            # Gradients are reduced only on the last micro-step; earlier ones accumulate locally.
-            model.set_requires_gradient_sync(micro == accumulation - 1)
-            logits = model(input_ids=inputs).logits
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            (loss / accumulation).backward()
-            loss_sum += loss.detach() / accumulation
-        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        if torch.isfinite(grad_norm):  # the norm is global, so every rank takes the same branch
-            optimizer.step()
+        step_start = time.perf_counter()
+        loss, grad_norm, stop = train_step(model, batches, optimizer, accumulation, cfg.grad_clip, len(stop_requests))
+        if step > start_step:  # the first step compiles: timing it would understate every later one
+            window.update(seconds=window["seconds"] + time.perf_counter() - step_start, timed=window["timed"] + 1)
+        window.update(loss=window["loss"] + loss, steps=window["steps"] + 1)
+        if math.isfinite(grad_norm):
             bad_steps = 0
         else:
             bad_steps += 1
@@ -1144,38 +1421,21 @@ def main(argv):
                 kept = newest_checkpoint(checkpointer.run_dir) or "none written yet"
                 fail(f"stopping: {bad_steps} non-finite steps in a row (lower --lr or raise --warmup_steps); "
                      f"last good checkpoint: {kept}")
-        optimizer.zero_grad(set_to_none=True)
         lr_now = scheduler.get_last_lr()[0]
         scheduler.step()
         tokens_seen += tokens_per_step
-        window_steps += 1
         if step == start_step and master:
             print(f"time to first step: {time.perf_counter() - start_time:.1f} s", flush=True)
         evaluating = validation_batches and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total_steps)
-        if evaluating:
-            eval_start = time.perf_counter()
-            val_loss = evaluate(model, validation_batches(), cfg.eval_batches, world_size)
-            window_start += time.perf_counter() - eval_start  # the step times and tokens/s leave evaluation out
+        val_loss = evaluate(model, validation_batches(), cfg.eval_batches, world_size) if evaluating else None
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps or evaluating:
-            dist.all_reduce(loss_sum)  # gloo has no AVG: sum, then divide
-            elapsed = time.perf_counter() - window_start
-            tokens_per_s = tokens_per_step * window_steps / elapsed
+            dist.all_reduce(window["loss"])  # gloo has no AVG: sum, then divide
             if master:
-                record = {
-                    "step": step + 1, "loss": loss_sum.item() / world_size / window_steps, "lr": lr_now,
-                    "grad_norm": grad_norm.item(), "tokens_per_s": tokens_per_s,
-                    "samples_per_s": cfg.global_batch_size * window_steps / elapsed, "step_time_s": elapsed / window_steps,
-                    "mfu": flops_token * tokens_per_s / (peak * world_size) if peak else None,
-                    "peak_mem_GB": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
-                }
-                if evaluating:
-                    record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+                record = window_record(window, step + 1, lr_now, grad_norm, tokens_per_step,
+                                       cfg.global_batch_size, flops_token, peak, world_size, device, val_loss)
                 log_step(record, metrics_file, writer)
-            window_start, window_steps = time.perf_counter(), 0
-            loss_sum.zero_()
-        stop = torch.tensor(float(len(stop_requests)), device=device)
-        dist.all_reduce(stop)
-        stopped = bool(stop.item()) and step + 1 < total_steps  # a signal at the last step changes nothing
+            window = new_window(device)
+        stopped = stop and step + 1 < total_steps  # a signal at the last step changes nothing
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps or stopped:
             trainer_state = {"step": step + 1, "tokens_seen": tokens_seen, "config": vars(cfg),
                              "shape": {name: getattr(shape, name) for name in SHAPE_NAMES}}
