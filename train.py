@@ -880,6 +880,12 @@ MEMORY_CATEGORIES = {
     "temporaries": ("Temp", "Other"),
 }
 OFFLOADED = ("sharded parameters", "gradients", "optimizer state")
+ESTIMATES = {
+    "sharding": ("ddp", "estimated for DDP: FSDP simulated at world size 1 (every rank holds the whole model, as DDP "
+                        "does), plus DDP's gradient buckets, 4 bytes a parameter"),
+    "cpu_offload": (True, "estimated for cpu_offload: the simulation without offloading, less the sharded parameters, "
+                          "gradients and optimizer state, which offloading keeps in host memory"),
+}
 SIMULATION_BLIND_SPOTS = ("allocator fragmentation, NCCL buffers and the CUDA context (leave a few GB); CPU SDPA stands in "
                           "for flash attention (both keep the same tensors); blocks run eager, where compiled ones keep "
                           "no more")
@@ -903,7 +909,6 @@ def simulate_peak_memory(cfg, config, world_size):
     with gradients reduce-scattered every micro-step, the third looks like the second."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     accumulation = min(2, cfg.global_batch_size // (cfg.batch_size * world_size))
@@ -916,15 +921,11 @@ def simulate_peak_memory(cfg, config, world_size):
         with FakeTensorMode():
             device = torch.device("cpu")
             model = build_model(config, simulated, device, mesh)
-            if cfg.sharding == "ddp":
-                model = wrap_ddp(model, device)
             optimizer = build_optimizer(model, cfg, fused=True)
             tokens = torch.randint(0, config.vocab_size, (cfg.batch_size, cfg.seq_length))
             batches = itertools.repeat((tokens, tokens))
             train_step(model, batches, optimizer, 1, cfg.grad_clip, 0)
-            tracker = FSDPMemTracker(model, optimizer) if cfg.sharding != "ddp" else MemTracker()
-            if cfg.sharding == "ddp":
-                tracker.track_external(model, optimizer)
+            tracker = FSDPMemTracker(model, optimizer)
             with tracker:
                 # The tracker takes a second forward of the root for a second iteration; a micro-step is not.
                 hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
@@ -938,9 +939,15 @@ def simulate_peak_memory(cfg, config, world_size):
     return {name: sum(by_kind.get(kind, 0) for kind in kinds) for name, kinds in MEMORY_CATEGORIES.items()}
 
 
-def peak_gb(cfg, config, world_size):
-    """Simulated peak per GPU in GB; offloaded state counts in host memory, not on the GPU."""
-    memory = simulate_peak_memory(cfg, config, world_size)
+def peak_gb(cfg, config, world_size, n_params):
+    """Peak per GPU in GB by category. DDP's replicas cannot be faked (DDP reads its parameters' data), and
+    CPU tensors on a CPU cannot be told apart from GPU ones: both are estimated from a simulation, as
+    ESTIMATES says."""
+    if cfg.sharding == "ddp":
+        memory = simulate_peak_memory(types.SimpleNamespace(**{**vars(cfg), "sharding": "full"}), config, 1)
+        memory["gradients"] += 4 * n_params
+    else:
+        memory = simulate_peak_memory(cfg, config, world_size)
     if cfg.cpu_offload:
         memory.update({name: 0 for name in OFFLOADED})
     return {name: size / 1e9 for name, size in memory.items()}
@@ -958,13 +965,13 @@ def hardware_flops_per_token(cfg, config, model_flops):
 
 
 def gpu_memory_gb(gpu):
-    """--gpu as (its name, its memory in GB): a name of benchmark.py's datasheet, or a number of GB."""
+    """--gpu as (its name, its memory in GB): a name of benchmark.py's datasheet, or a number of GB (no name)."""
     from benchmark import datasheet
 
     if gpu is None:
         return None, None
     try:
-        return f"{float(gpu):g} GB", float(gpu)
+        return None, float(gpu)
     except ValueError:
         sheet = datasheet(gpu)
     if sheet is None:
@@ -1003,18 +1010,19 @@ def report_dry_run(cfg, config, shape, n_params, world_size):
     print(f"FLOPs per token: {model_flops / 1e9:.2f} G for MFU (6·N + 12·L·H·Q·T), {hardware_flops / 1e9:.2f} G computed "
           f"with recomputation: at most {model_flops / hardware_flops:.0%} MFU")
     started = time.perf_counter()
-    memory = peak_gb(cfg, config, world_size)
+    memory = peak_gb(cfg, config, world_size, n_params)
     total = sum(memory.values())
     print(f"simulated one training step on fake tensors: world size {world_size}, sharding={cfg.sharding}, "
           f"{cfg.mixed_precision}, activation_checkpointing={cfg.activation_checkpointing}, "
           f"batch {cfg.batch_size} x {cfg.seq_length} ({time.perf_counter() - started:.0f} s)")
     for name, gb in memory.items():
         print(f"  {name:<22} {gb:9.3f} GB")
-    if cfg.cpu_offload:
-        print("  estimated for cpu_offload: the simulation without offloading, less the sharded parameters, gradients"
-              " and optimizer state, which offloading keeps in host memory")
+    for name, (value, estimate) in ESTIMATES.items():
+        if getattr(cfg, name) == value:
+            print(f"  {estimate}")
     print(f"not simulated: {SIMULATION_BLIND_SPOTS}")
-    print(f"peak memory per GPU (simulated): {total:.1f} GB of {f'{gpu_gb:.0f} GB ({gpu_name})' if gpu_gb else 'unknown'}")
+    target = "unknown" if gpu_gb is None else f"{gpu_gb:g} GB" + (f" ({gpu_name})" if gpu_name else "")
+    print(f"peak memory per GPU (simulated): {total:.1f} GB of {target}")
     if gpu_gb is None:
         print("verdict: not judged; name the GPU with --gpu")
         return 0
@@ -1023,10 +1031,10 @@ def report_dry_run(cfg, config, shape, n_params, world_size):
         return 0
     for change in changes_that_might_fit(cfg):
         candidate = types.SimpleNamespace(**{**vars(cfg), **change})
-        peak = sum(peak_gb(candidate, config, world_size).values())
+        peak = sum(peak_gb(candidate, config, world_size, n_params).values())
         if peak <= gpu_gb:
             flags = " ".join(f"--{name}={value}" for name, value in change.items())
-            print(f"verdict: does not fit; fits with {flags} (simulated {peak:.1f} GB)")
+            print(f"verdict: does not fit; fits with {flags} (simulated {peak:.2f} GB)")
             return 1
     print("verdict: does not fit, and no change tried fits (full activation checkpointing, batch_size 1, cpu_offload): "
           "use more GPUs or a smaller model")
@@ -1283,6 +1291,17 @@ def log_step(record, metrics_file, writer):
                 writer.add_scalar(f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}", value, record["step"])
 
 
+def check_compiler(device):
+    """--compile needs a toolchain: a C++ compiler for CPU kernels, Triton and libcuda for GPU ones. Compiling a
+    two-line function finds out in seconds, before any data or model, instead of at the first step."""
+    try:
+        torch.compile(lambda x: torch.sin(x) * 2 + 1)(torch.ones(8, device=device))
+    except Exception as error:  # inductor raises many types; the first line names what is missing
+        needs = "a C++ compiler (g++, or $CXX)" if device.type == "cpu" else "Triton with libcuda"
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        fail(f"--compile=True cannot compile for {device.type}: it needs {needs} ({first[:200]}); install it, or use --compile=False")
+
+
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -1337,11 +1356,17 @@ def main(argv):
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
+        # Segments that grow in place instead of new blocks: less fragmentation as sequence shapes and
+        # FSDP's all-gather buffers come and go (torchtitan's launcher sets it too). A user's setting wins.
+        if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+            os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
     else:
         device = torch.device("cpu")
+    if cfg.compile:
+        check_compiler(device)
     store = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # Workers restarted by torchrun --max-restarts meet in the same agent store as the failed attempt;
@@ -1351,7 +1376,9 @@ def main(argv):
         store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
     # Offloaded gradients are CPU tensors: their norm needs a CPU backend beside NCCL.
     backend = ("cuda:nccl,cpu:gloo" if cfg.cpu_offload else "nccl") if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=30))
+    # device_id binds NCCL's communicator to this GPU at once, instead of guessing it at the first collective.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=30),
+                            device_id=device if device.type == "cuda" else None)
     try:
         mesh = device_mesh(cfg, device.type, world_size, local_world_size)
     except ConfigError as error:

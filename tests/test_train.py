@@ -41,14 +41,6 @@ def test_sharding_modes_compute_the_same_losses(train, tmp_path, sharding):
         [r["loss"] for r in read_metrics(full)], rel=1e-5)
 
 
-def test_dry_run_of_default_model_is_about_4b(train, tmp_path):
-    result = train(tmp_path, "--dry_run", nproc=0)
-    count = int(result.stdout.split("parameters: ")[1].split()[0].replace(",", ""))
-    assert 3.8e9 <= count <= 4.3e9
-    assert "total with activation checkpointing" in result.stdout
-    assert "total without" in result.stdout
-
-
 @pytest.mark.parametrize("args, env, message", [
     (["--batch_sise=4"], {}, "unknown option --batch_sise; did you mean --batch_size?"),
     (["--batch_size=four"], {}, "--batch_size expects an integer, got 'four'"),
