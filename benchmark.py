@@ -473,7 +473,7 @@ def collective_call(op: str, size_bytes: int, n_ranks: int, device, group):
     if op == "all_to_all":
         received = torch.empty_like(full)
         return lambda: dist.all_to_all_single(received, full, group=group)
-    return lambda: dist.broadcast(full, src=0, group=group)
+    return lambda: dist.broadcast(full, group=group, group_src=0)  # the group's first rank
 
 
 def collective_seconds(call, world: World, group, warmup: int, iters: int) -> float:
