@@ -342,7 +342,8 @@ def gpu_telemetry(uuid: str) -> dict:
         return nvidia_smi(uuid)
     try:
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid.removeprefix('GPU-')}")
+        # bytes: older nvidia-ml-py hands the argument to ctypes' c_char_p as it is
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid.removeprefix('GPU-')}".encode())
     except pynvml.NVMLError:
         return nvidia_smi(uuid)
 
