@@ -1146,13 +1146,15 @@ def parse_args(argv=None):
                            epilog=f"Sections: {', '.join(SECTIONS)}. Figures explained in docs/BENCHMARK_FEATURES.md.")
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run (default: all)")
     parser.add_argument("--skip", default="", help="comma-separated sections not to run")
-    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats: a few seconds in all")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, few repeats, 1 s GPU loops: seconds on CPU")
     parser.add_argument("--storage_path", default="checkpoints", help="folder to test (default: checkpoints)")
     parser.add_argument("--report_dir", default="logs", help="where the YAML reports go (default: logs)")
     parser.add_argument("--storage_MiB", type=positive_int, help="MiB written per node (default 1024, --quick 64)")
     parser.add_argument("--storage_workers", type=positive_int, help="parallel writers/readers (default 8, --quick 4)")
     parser.add_argument("--memory_MiB", type=positive_int, help="each STREAM array (default 256, --quick 64; >= 4x L3)")
-    parser.add_argument("--matmul_size", type=positive_int, help="GPU matmul side (default 8192, --quick 4096)")
+    parser.add_argument("--matmul_size", type=positive_int,
+                        help="square GPU matmul tried besides the MAMF finder's shapes (default 8192, --quick 4096)")
     parser.add_argument("--nccl_max_MiB", type=positive_int,
                         help="largest collective (default 1024 GPU / 16 CPU, --quick 256 / 1)")
     parser.add_argument("--gpu_seconds", type=positive_number,

@@ -84,9 +84,9 @@ def test_two_nodes_measure_links_between_them_and_nvlink_within_each(tmp_path):
     with socket.socket() as probe:  # a port nobody uses, so parallel test runs don't meet
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [str(TORCHRUN), "--nnodes=2", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}",
-               str(ROOT / "benchmark.py"), "--quick", "--only", "nccl,links", "--report_dir", str(tmp_path),
-               "--nic_gbps", "400"]
+    command = [str(TORCHRUN), "--nnodes=2", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={port}", str(ROOT / "benchmark.py"), "--quick", "--only", "nccl,links",
+               "--report_dir", str(tmp_path), "--nic_gbps", "400"]
     nodes = [subprocess.Popen(command[:1] + [f"--node_rank={n}"] + command[1:], cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
     outputs = [node.communicate(timeout=180) for node in nodes]
@@ -109,8 +109,10 @@ def test_two_nodes_measure_links_between_them_and_nvlink_within_each(tmp_path):
     assert checks["inter-node all_reduce busbw"]["status"] == "skip"
     assert "largest message 1 MiB, under 256 MiB" in checks["inter-node all_reduce busbw"]["value"]
     assert "no floor for gloo" in checks["intra-node all_gather busbw"]["value"]
-    assert report["verdict"] in ("pass", "warn") and not [c for c in report["checks"] if c["status"] == "fail"]
-    assert sorted(p.name.rsplit("_", 1)[1] for p in tmp_path.glob("benchmark_*_rank*.yaml")) == ["rank0.yaml", "rank2.yaml"]
+    assert report["verdict"] in ("pass", "warn")
+    assert not [c for c in report["checks"] if c["status"] == "fail"]
+    node_files = sorted(p.name.rsplit("_", 1)[1] for p in tmp_path.glob("benchmark_*_rank*.yaml"))
+    assert node_files == ["rank0.yaml", "rank2.yaml"]
 
 
 def test_bandwidth_formulas_match_nccl_tests_by_hand():
@@ -209,20 +211,19 @@ def sleeper(seconds_at, started):
 
 
 def test_sustained_loop_times_back_to_back_calls_and_sees_a_device_slow_down():
-    timing = {"warmup_s": 0.1, "seconds": 0.6, "window_s": 0.15}
-    steady = benchmark.sustained(sleeper(lambda t: 0.002, time.perf_counter()), benchmark.torch.device("cpu"), **timing)
+    timing = {"warmup_s": 0.1, "seconds": 0.6, "window_s": 0.15, "device": benchmark.torch.device("cpu")}
+    steady = benchmark.sustained(sleeper(lambda t: 0.002, time.perf_counter()), **timing)
     assert 350 < steady["calls_per_s"] <= 500  # 2 ms a call; sleep only ever overshoots
     assert steady["seconds"] == pytest.approx(0.6, rel=0.3) and steady["calls"] % 4 == 0  # 4 windows
     assert 0.85 < steady["throttle_ratio"] < 1.18
     # a call that gets slower the longer the loop runs, as a GPU does when it throttles
-    slowing = benchmark.sustained(sleeper(lambda t: 0.002 * (1 + 2 * t), time.perf_counter()),
-                                  benchmark.torch.device("cpu"), **timing)
+    slowing = benchmark.sustained(sleeper(lambda t: 0.002 * (1 + 2 * t), time.perf_counter()), **timing)
     assert slowing["throttle_ratio"] < 0.8
 
 
 def test_sustained_matmul_on_cpu_tensors_agrees_with_the_median_of_single_calls():
     """The same work timed two ways: within a factor of 2, in one of three tries, since other jobs
-    share this VM's two cores and the warm-up's calibration of the window is only as steady as they let it be."""
+    share this VM's two cores and the warm-up's calibration is only as steady as they let it be."""
     torch = benchmark.torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -241,19 +242,21 @@ def test_sustained_matmul_on_cpu_tensors_agrees_with_the_median_of_single_calls(
 
 
 H100 = {"name": "NVIDIA H100 80GB HBM3", "copy_GB/s": 2900.0, "copy_throttle_ratio": 0.99,
-        "matmul_bf16_TFLOPS": 760.0, "matmul_bf16_throttle_ratio": 0.98, "matmul_bf16_shape": "2048x2048x13312",
-        "ecc_uncorrected_errors": 0}
+        "matmul_bf16_TFLOPS": 760.0, "matmul_bf16_throttle_ratio": 0.98,
+        "matmul_bf16_shape": "2048x2048x13312", "ecc_uncorrected_errors": 0}
 
 
 def sweep(busbw: float, ranks: list, device_name="NVIDIA H100 80GB HBM3", slow_rank=None) -> dict:
-    """A recorded-style sweep, 1 MiB and 1 GiB per op, at `busbw` for 1 GiB; `slow_rank` took 2x the average there."""
+    """A sweep as collectives_sweep records it, 1 MiB and 1 GiB per op, at `busbw` for 1 GiB;
+    `slow_rank` took 2x the average there."""
     rows = {}
     for op, factor in benchmark.BUSBW_FACTORS.items():
         rows[op] = []
         for size, bandwidth in ((1 << 20, busbw / 10), (1 << 30, busbw)):
             time_us = size / (bandwidth / factor(len(ranks))) / 1e3
             slow = slow_rank is not None and size == 1 << 30
-            rows[op].append({"size_bytes": size, "time_us": time_us, "time_max_us": time_us * (2.0 if slow else 1.05),
+            rows[op].append({"size_bytes": size, "time_us": time_us,
+                             "time_max_us": time_us * (2.0 if slow else 1.05),
                              "time_max_rank": slow_rank if slow else ranks[-1],
                              "algbw_GB/s": bandwidth / factor(len(ranks)), "busbw_GB/s": bandwidth})
     return {"backend": "nccl", "ranks": len(ranks), "device_name": device_name, **rows}
@@ -287,25 +290,28 @@ def test_healthy_h100_nodes_pass_every_check():
     for n_nodes in (1, 3):
         checks = statuses(cluster(n_nodes))
         assert [c for c in checks.values() if c["status"] in ("fail", "warn")] == []
-        for check in ("intra-node all_reduce busbw", "intra-node all_gather busbw", "gpu throttling (last second / first)",
-                      "gpu matmul_bf16_TFLOPS vs datasheet", "collective slowest rank", "storage parallel_write_GB/s"):
+        for check in ("intra-node all_reduce busbw", "intra-node all_gather busbw",
+                      "gpu throttling (last second / first)", "gpu matmul_bf16_TFLOPS vs datasheet",
+                      "collective slowest rank", "storage parallel_write_GB/s"):
             assert checks[check]["status"] == "pass", checks[check]
         assert benchmark.verdict(list(checks.values())) == "pass"
     checks = statuses(cluster(3))
-    assert checks["inter-node all_reduce busbw"]["reference"] == ">= 25 GB/s (50% of a 400 Gb/s NIC, /sys/class/infiniband)"
+    assert checks["inter-node all_reduce busbw"]["reference"] == \
+        ">= 25 GB/s (50% of a 400 Gb/s NIC, /sys/class/infiniband)"
     assert checks["intra-node all_gather busbw"]["reference"] == ">= 180 GB/s (H100/H200 SXM, NVLink 4)"
 
 
 def test_a_throttling_gpu_fails():
     report = cluster()
-    report["gpu"]["node0 (h0)/gpu5"]["matmul_bf16_throttle_ratio"] = 0.8  # its last second 20% slower than its first
+    report["gpu"]["node0 (h0)/gpu5"]["matmul_bf16_throttle_ratio"] = 0.8  # last second 20% under the first
     failures = [c for c in benchmark.verdict_checks(report) if c["status"] == "fail"]
     assert [c["check"] for c in failures] == ["gpu throttling (last second / first)"]
-    assert failures[0]["value"] == "lowest node0 (h0)/gpu5 matmul_bf16: 0.8; flagged node0 (h0)/gpu5 matmul_bf16"
+    assert failures[0]["value"] == \
+        "lowest node0 (h0)/gpu5 matmul_bf16: 0.8; flagged node0 (h0)/gpu5 matmul_bf16"
 
 
 def test_nvlink_down_fails_the_intra_node_floor_on_one_node_or_many():
-    report = cluster(intra_busbw=30.0)  # NCCL over PCIe at 1 GiB: nccl-tests' figure for a node without NVLink
+    report = cluster(intra_busbw=30.0)  # NCCL over PCIe at 1 GiB: a node whose NVLink is down
     failing = {c["check"] for c in benchmark.verdict_checks(report) if c["status"] == "fail"}
     assert failing == {"intra-node all_reduce busbw", "intra-node all_gather busbw"}
     report = cluster(n_nodes=2)
@@ -316,15 +322,16 @@ def test_nvlink_down_fails_the_intra_node_floor_on_one_node_or_many():
     for name in ("NVIDIA H100 PCIe", "NVIDIA A100 80GB PCIe"):
         assert statuses(cluster(intra_busbw=30.0) | {"nccl": sweep(30.0, list(range(8)), name)})[
             "intra-node all_reduce busbw"]["status"] == "pass"
-    skipped = statuses(cluster() | {"nccl": sweep(30.0, list(range(8)), "Tesla T4")})["intra-node all_reduce busbw"]
+    t4 = cluster() | {"nccl": sweep(30.0, list(range(8)), "Tesla T4")}
+    skipped = statuses(t4)["intra-node all_reduce busbw"]
     assert skipped["status"] == "skip" and "no floor known for Tesla T4" in skipped["value"]
 
 
 def test_a_slow_inter_node_link_fails_against_the_nic_and_its_peers():
-    report = cluster(n_nodes=3, inter_busbw=12.0)  # a 400 Gb/s NIC gives ~45 GB/s; 12 is a link trained down or TCP
+    report = cluster(n_nodes=3, inter_busbw=12.0)  # a 400 Gb/s NIC gives ~45; 12: a link trained down, or TCP
     check = statuses(report)["inter-node all_reduce busbw"]
     assert check["status"] == "fail" and check["value"].startswith("lowest one rank per node: 12 GB/s")
-    assert statuses(report, nic_Gbps=100.0)["inter-node all_reduce busbw"]["status"] == "pass"  # floor 6.25 GB/s
+    assert statuses(report, nic_Gbps=100.0)["inter-node all_reduce busbw"]["status"] == "pass"  # floor 6.25
     report = cluster(n_nodes=3, nics={})
     skipped = statuses(report)["inter-node all_reduce busbw"]
     assert skipped["status"] == "skip" and "pass --nic_gbps" in skipped["value"]
@@ -378,12 +385,12 @@ def test_a_failing_check_makes_exit_status_1(tmp_path, monkeypatch, capsys):
 def test_datasheet_matches_the_most_specific_name():
     assert benchmark.datasheet("NVIDIA H100 80GB HBM3")["bf16"] == 989.4
     assert benchmark.datasheet("NVIDIA H100 80GB HBM3")["memory_GBps"] == 3350.0
-    assert benchmark.datasheet("NVIDIA H100 PCIe") == {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp8": 1513.0,
-                                                       "memory_GBps": 2000.0, "memory_GB": 80.0}
+    assert benchmark.datasheet("NVIDIA H100 PCIe") == {
+        "fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp8": 1513.0, "memory_GBps": 2000.0, "memory_GB": 80.0}
     assert benchmark.datasheet("NVIDIA H200")["memory_GBps"] == 4800.0 and benchmark.datasheet("NVIDIA H200")["bf16"] == 989.4
     assert benchmark.datasheet("NVIDIA GH200 480GB")["memory_GBps"] == 4000.0
-    assert benchmark.datasheet("NVIDIA A100-SXM4-80GB") == {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None,
-                                                            "memory_GBps": 2039.0, "memory_GB": 80.0}
+    assert benchmark.datasheet("NVIDIA A100-SXM4-80GB") == {
+        "fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None, "memory_GBps": 2039.0, "memory_GB": 80.0}
     assert benchmark.datasheet("NVIDIA A100-SXM4-40GB")["memory_GBps"] == 1555.0
     assert benchmark.datasheet("NVIDIA B200")["bf16"] == 2250.0
     assert benchmark.datasheet("Tesla T4") is None
