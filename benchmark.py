@@ -1065,7 +1065,8 @@ def verdict_checks(report: dict, nic_Gbps: float | None = None,
               if isinstance(report[section], dict) and "skipped" in report[section]]
     checks += [check("fail", f"{section} on {name}", figures["error"])
                for section in ("gpu", "storage", "cpu", "memory")
-               for name, figures in report[section].items() if isinstance(figures, dict) and "error" in figures]
+               for name, figures in report[section].items()
+               if isinstance(figures, dict) and "error" in figures]
     gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
     checks += straggler_checks("gpu", gpus) + gpu_checks(gpus) + collective_checks(report, nic_Gbps)
     checks += storage_floor_checks(report["storage"], min_storage_GBps)
@@ -1154,7 +1155,7 @@ def parse_args(argv=None):
     parser.add_argument("--storage_workers", type=positive_int, help="parallel writers/readers (default 8, --quick 4)")
     parser.add_argument("--memory_MiB", type=positive_int, help="each STREAM array (default 256, --quick 64; >= 4x L3)")
     parser.add_argument("--matmul_size", type=positive_int,
-                        help="square GPU matmul tried besides the MAMF finder's shapes (default 8192, --quick 4096)")
+                        help="square matmul tried besides the MAMF finder's shapes (default 8192, --quick 4096)")
     parser.add_argument("--nccl_max_MiB", type=positive_int,
                         help="largest collective (default 1024 GPU / 16 CPU, --quick 256 / 1)")
     parser.add_argument("--gpu_seconds", type=positive_number,
