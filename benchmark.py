@@ -1155,7 +1155,7 @@ def parse_args(argv=None):
     parser.add_argument("--storage_workers", type=positive_int, help="parallel writers/readers (default 8, --quick 4)")
     parser.add_argument("--memory_MiB", type=positive_int, help="each STREAM array (default 256, --quick 64; >= 4x L3)")
     parser.add_argument("--matmul_size", type=positive_int,
-                        help="square matmul tried besides the MAMF finder's shapes (default 8192, --quick 4096)")
+                        help="square matmul tried besides the MAMF shapes (default 8192, --quick 4096)")
     parser.add_argument("--nccl_max_MiB", type=positive_int,
                         help="largest collective (default 1024 GPU / 16 CPU, --quick 256 / 1)")
     parser.add_argument("--gpu_seconds", type=positive_number,
