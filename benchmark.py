@@ -136,7 +136,7 @@ NCCL_MIN_BYTES = {"cuda": 1 * MiB, "cpu": 64 * 1024}
 # Python and PyTorch's host time per collective call, generously: on a GPU the stream is held this
 # long per queued call so that the timed window holds GPU time only (collective_seconds).
 HOST_SECONDS_PER_CALL = 100e-6
-SPIN_CYCLES_PER_SECOND = 2e9  # torch.cuda._sleep counts clock cycles; no GPU here boosts above 2 GHz
+SPIN_CYCLES_PER_SECOND = 2e9  # torch.cuda._sleep counts cycles; no GPU in DATASHEET clocks above 2 GHz
 PINGPONG_BYTES = {"cuda": 64 * MiB, "cpu": 16 * MiB}
 LATENCY_BYTES = 8
 STORAGE_PHASES = ("sequential_write", "sequential_read", "random_read_4k", "parallel_write", "parallel_read")
