@@ -12,16 +12,25 @@ nodes), storage (--storage_path), cpu, memory. GPU work runs on every local GPU 
 work (storage, cpu, memory) runs on local rank 0 while the node's other ranks wait, so nothing
 competes with it. Rank 0 writes <report_dir>/benchmark_<jobid>.yaml (the cluster), each node's
 local rank 0 writes <report_dir>/benchmark_<jobid>_rank<R>.yaml (that node), and rank 0 prints
-the checks, failures first. Exit status: 0 all checks pass, 1 a check failed, 2 bad input.
+the checks, fails first, then warns.
 
-Every figure is timed after warm-up, as the median of repeats (CUDA events on a GPU), with bytes
-and FLOPs counted as STREAM and nccl-tests count them; GB = 1e9 bytes. What each figure means and
-how to read it: docs/BENCHMARK_FEATURES.md. Importing this module only defines things, so that
-train.py can use `datasheet()` for MFU.
+Checks are fail, warn, pass or skip. Fail is kept for what training depends on: GPU compute and
+memory (against the datasheet, their peers, and their own first second: throttling), collectives
+against a busbw floor per platform, links between nodes against their peers, storage writes
+against --min_storage_GBps, and errors. CPU and host-memory figures below their peers only warn.
+Exit status: 0 pass or warn, 1 fail (or warn with --fail_on_warn), 2 bad input.
+
+GPU figures are sustained: at least 1 s of warm-up, then back-to-back loops of seconds timed by
+CUDA events; other figures are medians of repeats after warm-up. Bytes and FLOPs are counted as
+STREAM and nccl-tests count them; GB = 1e9 bytes. What each figure means and how to read it:
+docs/BENCHMARK_FEATURES.md. Importing this module only defines things, so that train.py can use
+`datasheet()` for MFU.
 """
 import argparse
 import difflib
 import functools
+import itertools
+import math
 import mmap
 import os
 import shutil
@@ -70,31 +79,64 @@ DATASHEET = {
     "A100": {**AMPERE, "memory_GBps": 1555.0, "memory_GB": 40.0},
 }
 
-# Verdict thresholds. A member more than STRAGGLER_TOLERANCE below the median of its peers fails;
-# a GPU below DATASHEET_MIN_PERCENT of its datasheet peak fails for the figures training lives on
-# (a healthy H100 reaches ~70% of bf16 peak at 8192 and ~85% of HBM bandwidth in a copy).
+# Verdict thresholds. A member more than STRAGGLER_TOLERANCE below the median of its peers is
+# flagged (a fail for GPUs and node pairs, a warn for CPU and host-memory figures); a GPU below
+# DATASHEET_MIN_PERCENT of its datasheet peak fails for the figures training lives on (a healthy
+# H100 sustains ~80% of bf16 peak at the MAMF finder's shapes and ~85% of HBM bandwidth in a copy).
 STRAGGLER_TOLERANCE = 0.10
 DATASHEET_MIN_PERCENT = 50.0
 DATASHEET_CHECKS = {"matmul_bf16_TFLOPS": "bf16", "copy_GB/s": "memory_GBps"}
+# A GPU whose last second of a sustained loop runs below this fraction of its first is throttling:
+# power and clocks settle within a second or two, so a healthy GPU stays within a few percent.
+THROTTLE_MIN_RATIO = 0.90
+# A rank whose time for a collective is this many times the average across ranks is named (a warn):
+# it entered the loop late or its GPU ran slower than the rest.
+SLOW_RANK_RATIO = 1.5
+MIN_STORAGE_GBPS = 0.1  # --min_storage_GBps default: each node's parallel write, for checkpoints
 # Keys ending in one of these are rates (higher is better) that are compared across peers.
 RATE_UNITS = ("GB/s", "MB/s", "TFLOPS", "GFLOPS", "IOPS", "ops/s", "Melem/s")
 
-# Sizes per mode; the CLI overrides the first five. Default: under 60 s per 8-GPU node.
+# Collective busbw floors in GB/s within one node, by substring of the GPU name in this order
+# (None: no floor known), judged on all-reduce and all-gather at the sweep's largest size when
+# that is at least FLOOR_MIN_BYTES. Each is about half of what nccl-tests reaches on a healthy node
+# of that kind and several times what NCCL gets when NVLink is down and it falls back to PCIe.
+# Sources: docs/BENCHMARK_FEATURES.md.
+NVLINK4 = {"platform": "H100/H200 SXM, NVLink 4", "all_reduce": 230.0, "all_gather": 180.0}
+NVLINK3 = {"platform": "A100 SXM, NVLink 3", "all_reduce": 120.0, "all_gather": 100.0}
+PCIE_ONLY = {"platform": "PCIe only", "all_reduce": 10.0, "all_gather": 10.0}
+COLLECTIVE_FLOORS = {"GH200": None, "H100 NVL": PCIE_ONLY, "H200 NVL": PCIE_ONLY, "PCIe": PCIE_ONLY,
+                     "H100": NVLINK4, "H200": NVLINK4, "A100-SXM": NVLINK3}
+FLOOR_OPS = ("all_reduce", "all_gather")
+FLOOR_MIN_BYTES = 256 * MiB  # below this, busbw is still climbing: no floor applies
+# Between nodes, one rank per node: NCCL over InfiniBand or RoCE reaches 80-95% of one NIC's line
+# rate at large sizes; below half of it the link trained down or NCCL fell back to TCP sockets.
+INTER_NODE_FLOOR_FRACTION = 0.5
+
+# Sizes per mode; the CLI overrides some. Default: under 60 s per 8-GPU node (docs/PERFORMANCE.md).
+# GPU figures: gpu_warmup_s of warm-up, then gpu_seconds of back-to-back calls in windows of
+# gpu_window_s; the throttling ratio is the last window's rate over the first's.
 MODES = {
     "default": dict(matmul_size=8192, nccl_max_MiB=None, storage_MiB=1024, storage_workers=8,
-                    memory_MiB=256, gpu_copy_MiB=1024, gpu_repeats=10, cpu_matmul_size=2048,
+                    memory_MiB=256, gpu_copy_MiB=1024, gpu_warmup_s=1.0, gpu_seconds=3.0,
+                    gpu_window_s=1.0, cpu_matmul_size=2048,
                     zlib_MiB=2, sort_Melem=8, cpu_units_per_core=8, repeats=5,
                     random_read_seconds=1.0, collective_warmup=5, collective_iters=20,
                     pingpong_iters=50),
     "quick": dict(matmul_size=4096, nccl_max_MiB=None, storage_MiB=64, storage_workers=4,
-                  memory_MiB=64, gpu_copy_MiB=256, gpu_repeats=5, cpu_matmul_size=1024,
+                  memory_MiB=64, gpu_copy_MiB=256, gpu_warmup_s=1.0, gpu_seconds=1.0,
+                  gpu_window_s=0.25, cpu_matmul_size=1024,
                   zlib_MiB=1, sort_Melem=1, cpu_units_per_core=2, repeats=3,
                   random_read_seconds=0.2, collective_warmup=1, collective_iters=3,
                   pingpong_iters=10),
 }
 # Largest collective message by (device, quick): gloo on CPU is ~100x slower than NCCL on NVLink.
-NCCL_MAX_MiB = {("cuda", False): 256, ("cuda", True): 16, ("cpu", False): 16, ("cpu", True): 1}
+# On GPU, 1 GiB: NVLS all-reduce levels off only above 256 MiB (nccl-tests sweeps to 8 GiB).
+NCCL_MAX_MiB = {("cuda", False): 1024, ("cuda", True): 256, ("cpu", False): 16, ("cpu", True): 1}
 NCCL_MIN_BYTES = {"cuda": 1 * MiB, "cpu": 64 * 1024}
+# Python and PyTorch's host time per collective call, generously: on a GPU the stream is held this
+# long per queued call so that the timed window holds GPU time only (collective_seconds).
+HOST_SECONDS_PER_CALL = 100e-6
+SPIN_CYCLES_PER_SECOND = 2e9  # torch.cuda._sleep counts cycles; no GPU in DATASHEET clocks above 2 GHz
 PINGPONG_BYTES = {"cuda": 64 * MiB, "cpu": 16 * MiB}
 LATENCY_BYTES = 8
 STORAGE_PHASES = ("sequential_write", "sequential_read", "random_read_4k", "parallel_write", "parallel_read")
@@ -151,6 +193,30 @@ def flag_stragglers(values: dict, tolerance: float = STRAGGLER_TOLERANCE) -> lis
     return [name for name, value in values.items() if value < floor]
 
 
+class Stopwatch:
+    """Points in time on a device: CUDA events on its current stream (the device's time, recorded
+    without waiting for it), else the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals(self) -> list:
+        """Seconds between consecutive marks, once the device has reached the last one."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [start.elapsed_time(end) / 1e3 for start, end in itertools.pairwise(self.marks)]
+        return [end - start for start, end in itertools.pairwise(self.marks)]
+
+
 def median_seconds(fn, device=torch.device("cpu"), warmup=1, repeats=5, inner=1) -> float:
     """Median over `repeats` of the seconds one call of `fn` takes (each repeat times `inner`
     back-to-back calls), after `warmup` untimed calls; on a GPU timed by CUDA events on its stream."""
@@ -158,20 +224,49 @@ def median_seconds(fn, device=torch.device("cpu"), warmup=1, repeats=5, inner=1)
         fn()
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / inner)
-        else:
-            started = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            times.append((time.perf_counter() - started) / inner)
+        watch = Stopwatch(device)
+        watch.mark()
+        for _ in range(inner):
+            fn()
+        watch.mark()
+        times.append(watch.intervals()[0] / inner)
     return statistics.median(times)
+
+
+def sustained(fn, device, warmup_s: float, seconds: float, window_s: float, while_busy=None) -> dict:
+    """Calls of `fn` back to back: at least `warmup_s` of warm-up, in batches that double until one
+    lasts half a window and that each wait for the device, so the host clock sees device time; then
+    about `seconds` of calls in windows of about `window_s`, marked without any wait in between, so
+    the device never idles and a throttling GPU shows as windows growing longer. `while_busy()` runs
+    once everything is queued, before waiting for it (on a GPU, while the last calls still run).
+    calls_per_s is over the whole timed loop; throttle_ratio is the last window's rate over the
+    first's (1.0: steady, below: slowing down)."""
+    calls, started = 1, time.perf_counter()
+    while True:
+        watch = Stopwatch(device)
+        watch.mark()
+        for _ in range(calls):
+            fn()
+        watch.mark()
+        (batch,) = watch.intervals()
+        if time.perf_counter() - started >= warmup_s:
+            break
+        if batch < window_s / 2:
+            calls *= 2
+    per_window = max(1, round(window_s * calls / max(batch, 1e-9)))
+    windows = max(2, round(seconds / window_s))
+    watch = Stopwatch(device)
+    watch.mark()
+    for _ in range(windows):
+        for _ in range(per_window):
+            fn()
+        watch.mark()
+    if while_busy:
+        while_busy()
+    durations = watch.intervals()
+    calls = windows * per_window
+    return {"calls_per_s": calls / sum(durations), "throttle_ratio": durations[0] / durations[-1],
+            "seconds": sum(durations), "calls": calls}
 
 
 @dataclass
@@ -224,7 +319,9 @@ def nvidia_smi(uuid: str) -> dict:
     for line in lines.splitlines():
         values = [value.strip() for value in line.split(",")]
         if values[0].removeprefix("GPU-") == uuid.removeprefix("GPU-"):
-            return {key: as_number(value) for key, value in zip(list(SMI_FIELDS.values())[1:], values[1:])}
+            keys = list(SMI_FIELDS.values())[1:]
+            return {"telemetry": "nvidia-smi",
+                    **{key: as_number(value) for key, value in zip(keys, values[1:])}}
     return {"nvidia_smi": f"GPU {uuid} not listed"}
 
 
@@ -236,19 +333,77 @@ def as_number(text: str):
     return int(value) if value.is_integer() else value
 
 
-def matmul_call(kind: str, n: int, device):
-    """A closure multiplying two random n x n matrices in `kind` precision (inputs made once)."""
+def gpu_telemetry(uuid: str) -> dict:
+    """The nvidia-smi fields read through NVML where nvidia-ml-py is installed (milliseconds, so
+    the reading falls inside the loop still running on the GPU), else from nvidia-smi."""
+    try:
+        import pynvml
+    except ImportError:
+        return nvidia_smi(uuid)
+    try:
+        pynvml.nvmlInit()
+        # bytes: older nvidia-ml-py hands the argument to ctypes' c_char_p as it is
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid.removeprefix('GPU-')}".encode())
+    except pynvml.NVMLError:
+        return nvidia_smi(uuid)
+
+    def read(query, *args):
+        try:
+            return query(handle, *args)
+        except pynvml.NVMLError:
+            return None  # not supported on this board (ECC on some PCIe cards)
+    milliwatts = read(pynvml.nvmlDeviceGetPowerUsage)
+
+    def ecc(error_type):
+        return read(pynvml.nvmlDeviceGetTotalEccErrors, error_type, pynvml.NVML_VOLATILE_ECC)
+    return {"telemetry": "NVML",
+            "sm_clock_MHz": read(pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM),
+            "sm_clock_max_MHz": read(pynvml.nvmlDeviceGetMaxClockInfo, pynvml.NVML_CLOCK_SM),
+            "memory_clock_MHz": read(pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_MEM),
+            "temperature_C": read(pynvml.nvmlDeviceGetTemperature, pynvml.NVML_TEMPERATURE_GPU),
+            "power_W": None if milliwatts is None else milliwatts / 1000,
+            "ecc_corrected_errors": ecc(pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+            "ecc_uncorrected_errors": ecc(pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+            "pcie_gen": read(pynvml.nvmlDeviceGetCurrPcieLinkGeneration),
+            "pcie_width": read(pynvml.nvmlDeviceGetCurrPcieLinkWidth),
+            "pcie_width_max": read(pynvml.nvmlDeviceGetMaxPcieLinkWidth)}
+
+
+# Matmul shapes (M, N, K) tried for each precision: the best shapes the MAMF finder found on A100,
+# H100 and GH200 (its comparison table, docs/BENCHMARK_FEATURES.md), plus the square of
+# --matmul_size. As the finder reports the best shape of its sweep, each is timed briefly and the
+# fastest one runs the sustained loop; a full sweep would take hours.
+MAMF_SHAPES = {
+    "bf16": [(2048, 2048, 13312), (1024, 15360, 4096), (1024, 10240, 5120), (2048, 5120, 6144)],
+    "fp8": [(1024, 9216, 14336), (1024, 14336, 14336)],
+}
+SHAPE_PROBE_REPEATS = 5
+MATMUL_KINDS = ("fp32", "tf32", "bf16", "fp8")
+
+
+def matmul_call(kind: str, shape: tuple, device):
+    """A closure multiplying a random M x K by a K x N matrix in `kind` precision (inputs made once)."""
+    m, n, k = shape
     if kind == "fp8":
         if torch.cuda.get_device_capability(device) < (8, 9):
             raise NotImplementedError("fp8 needs compute capability 8.9 or later")
-        a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
-        b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # _scaled_mm wants column-major
+        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()  # _scaled_mm wants column-major
         scale = torch.tensor(1.0, device=device)
         return lambda: torch._scaled_mm(a, b, scale_a=scale, scale_b=scale, out_dtype=torch.bfloat16)
     dtype = torch.bfloat16 if kind == "bf16" else torch.float32
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    out = torch.empty(n, n, device=device, dtype=dtype)
+    a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
     return lambda: torch.mm(a, b, out=out)
+
+
+def fastest_shape(kind: str, shapes: list, device) -> tuple:
+    """The shape whose median of a few calls gives the most FLOPS (each shape's matrices are freed
+    before the next one's are made)."""
+    def flops(shape):
+        return 2 * math.prod(shape) / median_seconds(matmul_call(kind, shape, device), device, warmup=2,
+                                                      repeats=SHAPE_PROBE_REPEATS)
+    return max(shapes, key=flops)
 
 
 def gpu_section(world: World, cfg: dict) -> dict:
@@ -258,31 +413,43 @@ def gpu_section(world: World, cfg: dict) -> dict:
     props = torch.cuda.get_device_properties(device)
     result = {"name": props.name, "memory_GB": round(props.total_memory / GB, 1),
               "capability": f"{props.major}.{props.minor}"}
+    timing = {"warmup_s": cfg["gpu_warmup_s"], "seconds": cfg["gpu_seconds"],
+              "window_s": min(cfg["gpu_window_s"], cfg["gpu_seconds"] / 2)}  # a first and a last window
     numel = cfg["gpu_copy_MiB"] * MiB // 4
     source, target = torch.randn(numel, device=device), torch.empty(numel, device=device)
-    seconds = median_seconds(lambda: target.copy_(source), device, warmup=3, repeats=cfg["gpu_repeats"])
-    result["copy_GB/s"] = stream_bytes("copy", numel, itemsize=4) / seconds / GB
+    loop = sustained(lambda: target.copy_(source), device, **timing)
+    result["copy_GB/s"] = stream_bytes("copy", numel, itemsize=4) * loop["calls_per_s"] / GB
+    result["copy_throttle_ratio"] = loop["throttle_ratio"]
     del source, target
+    telemetry = {}
+
+    def sample():  # while the bf16 loop, the one training lives on, still runs: clocks of a hot GPU
+        telemetry.update(gpu_telemetry(str(props.uuid)))
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     try:
-        for kind in ("fp32", "tf32", "bf16", "fp8"):
+        for kind in MATMUL_KINDS:
             torch.backends.cuda.matmul.allow_tf32 = kind == "tf32"
+            square = (cfg["matmul_size"],) * 3
             try:
-                seconds = median_seconds(matmul_call(kind, cfg["matmul_size"], device), device,
-                                         warmup=3, repeats=cfg["gpu_repeats"])
-                result[f"matmul_{kind}_TFLOPS"] = matmul_tflops(cfg["matmul_size"], seconds)
+                shape = fastest_shape(kind, [square] + MAMF_SHAPES.get(kind, MAMF_SHAPES["bf16"]), device)
+                loop = sustained(matmul_call(kind, shape, device), device, **timing,
+                                 while_busy=sample if kind == "bf16" else None)
+                result[f"matmul_{kind}_TFLOPS"] = 2 * math.prod(shape) * loop["calls_per_s"] / 1e12
+                result[f"matmul_{kind}_throttle_ratio"] = loop["throttle_ratio"]
+                result[f"matmul_{kind}_shape"] = "x".join(map(str, shape))
             except (NotImplementedError, RuntimeError) as error:
                 result[f"matmul_{kind}_TFLOPS"] = None
                 result[f"matmul_{kind}_note"] = f"not supported: {str(error).splitlines()[0]}"
             torch.cuda.empty_cache()  # the closure's matrices are gone; give their memory back
     finally:
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    result["sustained_seconds"] = cfg["gpu_seconds"]
     peaks = datasheet(props.name) or {}
-    figures = {"copy_GB/s": "memory_GBps", **{f"matmul_{k}_TFLOPS": k for k in ("fp32", "tf32", "bf16", "fp8")}}
+    figures = {"copy_GB/s": "memory_GBps", **{f"matmul_{k}_TFLOPS": k for k in MATMUL_KINDS}}
     for key, peak_key in figures.items():
         if peaks.get(peak_key) and result.get(key):
             result[f"{key.rsplit('_', 1)[0]}_percent_of_datasheet"] = 100 * result[key] / peaks[peak_key]
-    result.update(nvidia_smi(str(props.uuid)))  # right after the matmuls: clocks and temperature of a hot GPU
+    result.update(telemetry or gpu_telemetry(str(props.uuid)))  # the bf16 loop failed: read it idle
     return result
 
 
@@ -307,12 +474,32 @@ def collective_call(op: str, size_bytes: int, n_ranks: int, device, group):
     if op == "all_to_all":
         received = torch.empty_like(full)
         return lambda: dist.all_to_all_single(received, full, group=group)
-    return lambda: dist.broadcast(full, src=0, group=group)
+    return lambda: dist.broadcast(full, group=group, group_src=0)  # the group's first rank
 
 
-def collectives_sweep(world: World, cfg: dict, group, n_ranks: int) -> dict:
-    """algbw/busbw per op and size; each rank times its own calls, times are averaged over ranks."""
-    min_bytes = NCCL_MIN_BYTES[world.device.type]
+def collective_seconds(call, world: World, group, warmup: int, iters: int) -> float:
+    """Seconds per call over `iters` back-to-back calls after `warmup`, as nccl-tests times its
+    iteration loop. On a GPU the stream is first held by a spinning kernel while the host queues
+    every call, so the window holds only the GPU's work: at 1-4 MiB on NVLink a call takes about as
+    long as Python and PyTorch take to issue it (10-30 us), which would otherwise be timed too."""
+    for _ in range(warmup):
+        call()
+    dist.barrier(group=group)
+    watch = Stopwatch(world.device)
+    if world.device.type == "cuda":
+        torch.cuda._sleep(int(iters * HOST_SECONDS_PER_CALL * SPIN_CYCLES_PER_SECOND))
+    watch.mark()
+    for _ in range(iters):
+        call()
+    watch.mark()
+    return watch.intervals()[0] / iters
+
+
+def collectives_sweep(world: World, cfg: dict, group, ranks: list) -> dict:
+    """algbw/busbw per op and size for the group of global `ranks`. Each rank times its own calls;
+    as in nccl-tests, time_us is the average over ranks and time_max_us the slowest rank's, and
+    time_max_rank says which rank that was."""
+    n_ranks, min_bytes = len(ranks), NCCL_MIN_BYTES[world.device.type]
     sizes = []
     while min_bytes * 4 ** len(sizes) <= cfg["nccl_max_MiB"] * MiB:
         sizes.append(min_bytes * 4 ** len(sizes))
@@ -321,31 +508,55 @@ def collectives_sweep(world: World, cfg: dict, group, n_ranks: int) -> dict:
         for size in sizes:
             size = size // (4 * n_ranks) * 4 * n_ranks  # whole float32 shards per rank
             call = collective_call(op, size, n_ranks, world.device, group)
-            dist.barrier(group=group)
             try:
-                local_seconds.append(median_seconds(call, world.device, warmup=cfg["collective_warmup"],
-                                                    repeats=1, inner=cfg["collective_iters"]))
+                local_seconds.append(collective_seconds(call, world, group, cfg["collective_warmup"],
+                                                        cfg["collective_iters"]))
             except (RuntimeError, NotImplementedError) as error:  # every rank's backend raises alike
                 results[op] = {"skipped": f"not supported by {dist.get_backend(group)}: {str(error).splitlines()[0]}"}
                 break
             measured.append((op, size))
+            del call  # a 1 GiB op's buffers go before the next op's are made
     times = torch.tensor(local_seconds, dtype=torch.float64, device=world.device)
-    slowest = times.clone()
-    dist.all_reduce(times, group=group)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    for (op, size), total, worst in zip(measured, times.tolist(), slowest.tolist()):
-        seconds = total / n_ranks
+    gathered = [torch.empty_like(times) for _ in ranks]
+    dist.all_gather(gathered, times, group=group)
+    per_rank = torch.stack(gathered).cpu()  # [rank in group, measurement]
+    for (op, size), column in zip(measured, per_rank.T):
+        seconds, slowest = column.mean().item(), int(column.argmax())
         algbw = algbw_GBps(size, seconds)
         results.setdefault(op, []).append({
-            "size_bytes": size, "time_us": seconds * 1e6, "time_max_us": worst * 1e6,
-            "algbw_GB/s": algbw, "busbw_GB/s": busbw_GBps(op, algbw, n_ranks)})
-    return {"backend": dist.get_backend(group), "ranks": n_ranks, **results}
+            "size_bytes": size, "time_us": seconds * 1e6, "time_max_us": column[slowest].item() * 1e6,
+            "time_max_rank": ranks[slowest], "algbw_GB/s": algbw,
+            "busbw_GB/s": busbw_GBps(op, algbw, n_ranks)})
+    device = {"device_name": torch.cuda.get_device_name(world.device)} if world.device.type == "cuda" else {}
+    return {"backend": dist.get_backend(group), "ranks": n_ranks, **device, **results}
 
 
 def nccl_section(world: World, cfg: dict) -> dict:
+    """All ranks; with two or more nodes also each node's ranks on their own, all nodes at once,
+    so NVLink inside a node is judged apart from the network between nodes."""
     if world.size < 2:
         return {"skipped": "single rank: nothing to communicate"}
-    return collectives_sweep(world, cfg, None, world.size)
+    result = collectives_sweep(world, cfg, None, list(range(world.size)))
+    if world.nodes > 1 and world.local_size > 1:
+        node_ranks = [list(range(first, first + world.local_size)) for first in world.leaders]
+        groups = [dist.new_group(ranks) for ranks in node_ranks]  # every rank must create every group
+        mine = world.node_rank
+        result["intra_node"] = collectives_sweep(world, cfg, groups[mine], node_ranks[mine])
+    return result
+
+
+def nic_rates_Gbps() -> dict:
+    """Line rate of each active InfiniBand or RoCE port, from /sys/class/infiniband/<hca>/ports/<n>
+    ("400 Gb/sec (4X NDR)"); empty where there is none."""
+    rates = {}
+    for port in sorted(Path("/sys/class/infiniband").glob("*/ports/*")):
+        try:
+            if "ACTIVE" in (port / "state").read_text():
+                rate = float((port / "rate").read_text().split()[0])
+                rates[f"{port.parent.parent.name}/{port.name}"] = rate
+        except (OSError, ValueError, IndexError):
+            continue
+    return rates
 
 
 # ---------------------------------------------------------------- links between nodes
@@ -393,7 +604,7 @@ def links_section(world: World, cfg: dict) -> dict:
                 bandwidth = big / one_way_seconds(peer, sends, big, world, max(cfg["pingpong_iters"] // 10, 2)) / GB
                 pairs[f"node{first}-node{second}"] = {"latency_us": latency * 1e6, "size_bytes": big,
                                                       "bandwidth_GB/s": bandwidth}
-    return {"pairs": pairs, "one_rank_per_node": collectives_sweep(world, cfg, leaders_group, world.nodes)}
+    return {"pairs": pairs, "one_rank_per_node": collectives_sweep(world, cfg, leaders_group, world.leaders)}
 
 
 # ---------------------------------------------------------------- storage
@@ -681,8 +892,17 @@ def check(status: str, name: str, value: str, reference: str = "") -> dict:
     return {"status": status, "check": name, "value": value, "reference": reference}
 
 
-def straggler_checks(kind: str, members: dict) -> list:
-    """One check per rate figure: every member (GPU, node, node pair) against the median of all."""
+def flagged(names: list) -> str:
+    return f"; flagged {', '.join(names)}" if names else ""
+
+
+def size_text(size_bytes: int) -> str:
+    return f"{size_bytes // MiB} MiB" if size_bytes >= MiB else f"{size_bytes // 1024} KiB"
+
+
+def straggler_checks(kind: str, members: dict, below: str = "fail") -> list:
+    """One check per rate figure: every member (GPU, node, node pair) against the median of all;
+    a member too far below has status `below`."""
     figures = sorted({key for figures in members.values() for key, value in figures.items()
                       if key.endswith(RATE_UNITS) and isinstance(value, (int, float))})
     if len(members) < 2:
@@ -690,23 +910,18 @@ def straggler_checks(kind: str, members: dict) -> list:
     checks = []
     for figure in figures:
         values = {name: m[figure] for name, m in members.items() if isinstance(m.get(figure), (int, float))}
-        flagged, median = flag_stragglers(values), statistics.median(values.values())
+        low, median = flag_stragglers(values), statistics.median(values.values())
         slowest = min(values, key=values.get)
-        flagged_text = f"; flagged {', '.join(flagged)}" if flagged else ""
-        checks.append(check("fail" if flagged else "pass", f"{kind} {figure}",
-                            f"slowest {slowest}: {values[slowest]:.4g}{flagged_text}",
+        checks.append(check(below if low else "pass", f"{kind} {figure}",
+                            f"slowest {slowest}: {values[slowest]:.4g}{flagged(low)}",
                             f"median {median:.4g}, flag below {(1 - STRAGGLER_TOLERANCE) * median:.4g}"))
     return checks
 
 
-def verdict_checks(report: dict) -> list:
-    checks = [check("skip", section, report[section]["skipped"]) for section in SECTIONS
-              if isinstance(report[section], dict) and "skipped" in report[section]]
-    checks += [check("fail", f"{section} on {name}", figures["error"])
-               for section in ("gpu", "storage", "cpu", "memory")
-               for name, figures in report[section].items() if isinstance(figures, dict) and "error" in figures]
-    gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
-    checks += straggler_checks("gpu", gpus)
+def gpu_checks(gpus: dict) -> list:
+    """Against the datasheet, against the GPU's own first second (throttling), and ECC; the
+    stragglers among GPUs are straggler_checks'."""
+    checks = []
     for figure, peak_key in DATASHEET_CHECKS.items():
         known = {name: (g[figure], datasheet(g["name"])[peak_key]) for name, g in gpus.items()
                  if datasheet(g["name"]) and g.get(figure)}
@@ -717,21 +932,158 @@ def verdict_checks(report: dict) -> list:
             percent = {name: 100 * value / peak for name, (value, peak) in known.items()}
             low = [name for name, p in percent.items() if p < DATASHEET_MIN_PERCENT]
             worst = min(percent, key=percent.get)
-            flagged_text = f"; flagged {', '.join(low)}" if low else ""
             checks.append(check("fail" if low else "pass", f"gpu {figure} vs datasheet",
-                                f"lowest {worst}: {percent[worst]:.0f}% of {known[worst][1]:g}{flagged_text}",
+                                f"lowest {worst}: {percent[worst]:.0f}% of {known[worst][1]:g}{flagged(low)}",
                                 f">= {DATASHEET_MIN_PERCENT:.0f}% of datasheet"))
+    ratios = {f"{name} {key.removesuffix('_throttle_ratio')}": value for name, g in gpus.items()
+              for key, value in g.items()
+              if key.endswith("_throttle_ratio") and isinstance(value, (int, float))}
+    if ratios:
+        low = [name for name, ratio in ratios.items() if ratio < THROTTLE_MIN_RATIO]
+        worst = min(ratios, key=ratios.get)
+        checks.append(check("fail" if low else "pass", "gpu throttling (last second / first)",
+                            f"lowest {worst}: {ratios[worst]:.3g}{flagged(low)}",
+                            f">= {THROTTLE_MIN_RATIO:g}"))
     ecc = {name: g["ecc_uncorrected_errors"] for name, g in gpus.items() if g.get("ecc_uncorrected_errors")}
     if any(isinstance(g.get("ecc_uncorrected_errors"), int) for g in gpus.values()):
         checks.append(check("fail" if ecc else "pass", "gpu uncorrected ECC errors",
                             ", ".join(f"{n}: {v}" for n, v in ecc.items()) or "none", "0"))
+    return checks
+
+
+def platform_floor(sweep: dict) -> dict | str:
+    """The intra-node busbw floors for the sweep's GPUs, or why there are none."""
+    if "device_name" not in sweep:
+        return f"no floor for {sweep.get('backend', 'this backend')} without GPUs"
+    for name_part, floor in COLLECTIVE_FLOORS.items():
+        if name_part.lower() in sweep["device_name"].lower():
+            return floor or f"no floor known for {sweep['device_name']}"
+    return f"no floor known for {sweep['device_name']}"
+
+
+def inter_node_floor(nodes: dict, nic_Gbps: float | None) -> dict | str:
+    """Floors for one rank per node: a fraction of one NIC's line rate, from --nic_gbps or else the
+    slowest node's fastest active port; or why there are none."""
+    if nic_Gbps:
+        rate, origin = nic_Gbps, "--nic_gbps"
+    else:
+        fastest = {name: max(node.get("nics_Gbps", {}).values(), default=None)
+                   for name, node in nodes.items()}
+        missing = [name for name, rate in fastest.items() if rate is None]
+        if missing:
+            return f"no active port in /sys/class/infiniband on {', '.join(missing)}; pass --nic_gbps"
+        rate, origin = min(fastest.values()), "/sys/class/infiniband"
+    floor = INTER_NODE_FLOOR_FRACTION * rate / 8
+    return {"platform": f"{INTER_NODE_FLOOR_FRACTION:.0%} of a {rate:g} Gb/s NIC, {origin}",
+            **dict.fromkeys(FLOOR_OPS, floor)}
+
+
+def busbw_floor_checks(scope: str, sweeps: dict, floors: dict) -> list:
+    """busbw of all-reduce and all-gather at each sweep's largest size against its member's floor
+    ({op: GB/s}, or a string saying why there is none)."""
+    checks = []
+    for op in FLOOR_OPS:
+        rows = {name: sweep[op][-1] for name, sweep in sweeps.items()
+                if isinstance(sweep.get(op), list) and sweep[op]}
+        judged, unjudged = {}, {}
+        for name, row in rows.items():
+            if isinstance(floors[name], str):
+                unjudged.setdefault(floors[name], []).append(name)
+            elif row["size_bytes"] < FLOOR_MIN_BYTES:
+                reason = f"largest message {size_text(row['size_bytes'])}, under {size_text(FLOOR_MIN_BYTES)}"
+                unjudged.setdefault(reason, []).append(name)
+            else:
+                judged[name] = (row["busbw_GB/s"], floors[name])
+        if unjudged:
+            reasons = [f"{reason} ({', '.join(names)})" for reason, names in unjudged.items()]
+            checks.append(check("skip", f"{scope} {op} busbw", "; ".join(reasons)))
+        if judged:
+            low = [name for name, (busbw, floor) in judged.items() if busbw < floor[op]]
+            worst = min(judged, key=lambda name: judged[name][0] / judged[name][1][op])
+            busbw, floor = judged[worst]
+            checks.append(check("fail" if low else "pass", f"{scope} {op} busbw",
+                                f"lowest {worst}: {busbw:.4g} GB/s{flagged(low)}",
+                                f">= {floor[op]:.4g} GB/s ({floor['platform']})"))
+    return checks
+
+
+def slow_rank_checks(sweeps: dict) -> list:
+    """One warn naming each collective whose slowest rank took SLOW_RANK_RATIO times the average, at
+    each op's largest size: at small sizes the ranks' skew leaving the barrier (tens of us, more for
+    gloo on a busy host) is a large part of the loop and would name a rank for nothing."""
+    rows = [(scope, op, sweep[op][-1]) for scope, sweep in sweeps.items() for op in BUSBW_FACTORS
+            if isinstance(sweep.get(op), list) and sweep[op]]
+    slow = [f"rank {row.get('time_max_rank', '?')} in {scope} {op} at {size_text(row['size_bytes'])}: "
+            f"{row['time_max_us'] / row['time_us']:.1f}x" for scope, op, row in rows
+            if row["time_max_us"] > SLOW_RANK_RATIO * row["time_us"]]
+    if not rows:
+        return []
+    shown = "; ".join(slow[:3]) + (f"; {len(slow) - 3} more" if len(slow) > 3 else "")
+    return [check("warn" if slow else "pass", "collective slowest rank",
+                  shown or "every rank near the average", f"time_max_us <= {SLOW_RANK_RATIO:g} x time_us")]
+
+
+def collective_checks(report: dict, nic_Gbps: float | None) -> list:
+    """Intra-node busbw against the platform's floor (the all-ranks sweep on one node, each node's
+    own sweep on several), inter-node busbw against the NIC's, slow ranks in any sweep."""
+    nccl, links = report["nccl"], report["links"]
+    sweeps, checks = {}, []
+    if nccl and "skipped" not in nccl:
+        sweeps["all ranks"] = nccl
+        alone = len(report["nodes"]) == 1  # then all ranks are one node's
+        intra = nccl.get("intra_node") or ({next(iter(report["nodes"])): nccl} if alone else {})
+        sweeps.update({f"{name} intra-node": sweep for name, sweep in nccl.get("intra_node", {}).items()})
+        floors = {name: platform_floor(sweep) for name, sweep in intra.items()}
+        checks += busbw_floor_checks("intra-node", intra, floors)
+    if links.get("one_rank_per_node"):
+        sweeps["one rank per node"] = links["one_rank_per_node"]
+        checks += busbw_floor_checks("inter-node", {"one rank per node": links["one_rank_per_node"]},
+                                     {"one rank per node": inter_node_floor(report["nodes"], nic_Gbps)})
+    return checks + slow_rank_checks(sweeps)
+
+
+def storage_floor_checks(storage: dict, min_GBps: float) -> list:
+    """Each node's parallel write (like every rank writing its checkpoint shard at once) against
+    --min_storage_GBps."""
+    nodes = {name: figures["parallel_write_GB/s"] for name, figures in storage.items()
+             if name != "aggregate" and isinstance(figures, dict)
+             and isinstance(figures.get("parallel_write_GB/s"), (int, float))}
+    if not nodes or not min_GBps:
+        return []
+    low = [name for name, value in nodes.items() if value < min_GBps]
+    worst = min(nodes, key=nodes.get)
+    return [check("fail" if low else "pass", "storage parallel_write_GB/s",
+                  f"slowest {worst}: {nodes[worst]:.4g}{flagged(low)}",
+                  f">= {min_GBps:g} (--min_storage_GBps)")]
+
+
+def verdict_checks(report: dict, nic_Gbps: float | None = None,
+                   min_storage_GBps: float = MIN_STORAGE_GBPS) -> list:
+    """Every check, fails first, then warns, passes and skips. Fail is for what training depends on
+    (GPUs, collectives, links, storage writes, errors); CPU and host-memory stragglers only warn."""
+    checks = [check("skip", section, report[section]["skipped"]) for section in SECTIONS
+              if isinstance(report[section], dict) and "skipped" in report[section]]
+    checks += [check("fail", f"{section} on {name}", figures["error"])
+               for section in ("gpu", "storage", "cpu", "memory")
+               for name, figures in report[section].items()
+               if isinstance(figures, dict) and "error" in figures]
+    gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
+    checks += straggler_checks("gpu", gpus) + gpu_checks(gpus) + collective_checks(report, nic_Gbps)
+    checks += storage_floor_checks(report["storage"], min_storage_GBps)
     nodes = {name: {f"{section} {key}": value for section in ("storage", "cpu", "memory")
                     for key, value in report[section].get(name, {}).items()} for name in report["nodes"]}
-    checks += straggler_checks("node", nodes)
+    checks += straggler_checks("node", nodes, below="warn")
     if isinstance(report["links"].get("pairs"), dict):
         checks += straggler_checks("node pair", report["links"]["pairs"])
-    order = {"fail": 0, "pass": 1, "skip": 2}
+    order = {"fail": 0, "warn": 1, "pass": 2, "skip": 3}
     return sorted(checks, key=lambda c: order[c["status"]])
+
+
+def verdict(checks: list, fail_on_warn: bool = False) -> str:
+    statuses = {c["status"] for c in checks}
+    if "fail" in statuses or (fail_on_warn and "warn" in statuses):
+        return "fail"
+    return "warn" if "warn" in statuses else "pass"
 
 
 def print_table(checks: list):
@@ -771,6 +1123,16 @@ def positive_int(text: str) -> int:
     return int(text)
 
 
+def positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
+
+
 def section_list(option: str, text: str, parser) -> set:
     names = {name.strip() for name in text.split(",") if name.strip()}
     for name in names - set(SECTIONS):
@@ -785,21 +1147,34 @@ def parse_args(argv=None):
                            epilog=f"Sections: {', '.join(SECTIONS)}. Figures explained in docs/BENCHMARK_FEATURES.md.")
     parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run (default: all)")
     parser.add_argument("--skip", default="", help="comma-separated sections not to run")
-    parser.add_argument("--quick", action="store_true", help="small sizes and few repeats: a few seconds in all")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, few repeats, 1 s GPU loops: seconds on CPU")
     parser.add_argument("--storage_path", default="checkpoints", help="folder to test (default: checkpoints)")
     parser.add_argument("--report_dir", default="logs", help="where the YAML reports go (default: logs)")
     parser.add_argument("--storage_MiB", type=positive_int, help="MiB written per node (default 1024, --quick 64)")
     parser.add_argument("--storage_workers", type=positive_int, help="parallel writers/readers (default 8, --quick 4)")
     parser.add_argument("--memory_MiB", type=positive_int, help="each STREAM array (default 256, --quick 64; >= 4x L3)")
-    parser.add_argument("--matmul_size", type=positive_int, help="GPU matmul side (default 8192, --quick 4096)")
-    parser.add_argument("--nccl_max_MiB", type=positive_int, help="largest collective (default 256 GPU / 16 CPU)")
+    parser.add_argument("--matmul_size", type=positive_int,
+                        help="square matmul tried besides the MAMF shapes (default 8192, --quick 4096)")
+    parser.add_argument("--nccl_max_MiB", type=positive_int,
+                        help="largest collective (default 1024 GPU / 16 CPU, --quick 256 / 1)")
+    parser.add_argument("--gpu_seconds", type=positive_number,
+                        help="timed loop of each GPU figure after 1 s of warm-up (default 3, --quick 1)")
+    parser.add_argument("--nic_gbps", type=positive_number,
+                        help="one NIC's line rate in Gb/s, for the inter-node floor (default: read "
+                             "from /sys/class/infiniband)")
+    parser.add_argument("--min_storage_GBps", type=positive_number, default=MIN_STORAGE_GBPS,
+                        help=f"each node's parallel write must reach this (default {MIN_STORAGE_GBPS:g})")
+    parser.add_argument("--fail_on_warn", action="store_true",
+                        help="warnings (CPU and host-memory stragglers, slow ranks) fail the verdict too")
     args = parser.parse_args(argv)
     sections = section_list("--only", args.only, parser) - section_list("--skip", args.skip, parser)
     if not sections:
         parser.error("--only/--skip leave no section to run")
     cfg = {**MODES["quick" if args.quick else "default"], "quick": args.quick,
            "sections": [s for s in SECTIONS if s in sections], "storage_path": args.storage_path,
-           "report_dir": args.report_dir}
+           "report_dir": args.report_dir, "nic_gbps": args.nic_gbps,
+           "min_storage_GBps": args.min_storage_GBps, "fail_on_warn": args.fail_on_warn}
     cfg.update({key: value for key, value in vars(args).items() if key in cfg and value is not None})
     validate(cfg, args, parser)
     return cfg
@@ -877,7 +1252,7 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
     return {}
 
 
-def cluster_report(everyone: list, world: World, job: dict) -> dict:
+def cluster_report(everyone: list, world: World, job: dict, cfg: dict) -> dict:
     """Rank 0's view from every rank's figures: GPUs by name, per-node sections, aggregates, checks."""
     label = {r["node_rank"]: f"node{r['node_rank']} ({r['hostname']})" for r in everyone}
     leaders = [r for r in everyone if r["rank"] % world.local_size == 0]
@@ -892,18 +1267,20 @@ def cluster_report(everyone: list, world: World, job: dict) -> dict:
         "verdict": None, "checks": None,
         "gpu": first["gpu"] if "skipped" in first["gpu"] else {
             f"{label[r['node_rank']]}/gpu{r['rank'] % world.local_size}": r["gpu"] for r in everyone},
-        "nccl": first["nccl"],
+        "nccl": first["nccl"] if "intra_node" not in first["nccl"] else {
+            **first["nccl"], "intra_node": {label[r["node_rank"]]: r["nccl"]["intra_node"] for r in leaders}},
         "links": {key: value for key, value in first["links"].items() if key != "pairs"},
         "storage": per_node("storage"), "cpu": per_node("cpu"), "memory": per_node("memory"),
-        "nodes": {label[r["node_rank"]]: {"hostname": r["hostname"], "first_rank": r["rank"]} for r in leaders},
+        "nodes": {label[r["node_rank"]]: {"hostname": r["hostname"], "first_rank": r["rank"],
+                                          "nics_Gbps": r["nics_Gbps"]} for r in leaders},
     }
     if "skipped" not in report["links"]:
         report["links"]["pairs"] = {pair: figures for r in leaders
                                     for pair, figures in r["links"].get("pairs", {}).items()}
     if "skipped" not in report["storage"]:
         report["storage"] = {"aggregate": storage_aggregate(list(report["storage"].values())), **report["storage"]}
-    report["checks"] = verdict_checks(report)
-    report["verdict"] = "fail" if any(c["status"] == "fail" for c in report["checks"]) else "pass"
+    report["checks"] = verdict_checks(report, cfg["nic_gbps"], cfg["min_storage_GBps"])
+    report["verdict"] = verdict(report["checks"], cfg["fail_on_warn"])
     return report
 
 
@@ -928,7 +1305,8 @@ def main(argv=None) -> int:
     try:
         job_id = [os.environ.get("SLURM_JOB_ID") or datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")]
         dist.broadcast_object_list(job_id, src=0, group=world.cpu_group)
-        local = {"rank": world.rank, "node_rank": world.node_rank, "hostname": socket.gethostname()}
+        local = {"rank": world.rank, "node_rank": world.node_rank, "hostname": socket.gethostname(),
+                 "nics_Gbps": nic_rates_Gbps()}
         section_seconds = {}
         for section in SECTIONS:
             section_started = time.perf_counter()
@@ -941,7 +1319,7 @@ def main(argv=None) -> int:
                "command": " ".join(sys.argv), "mode": "quick" if cfg["quick"] else "default",
                "torch": str(torch.__version__), "seconds": time.perf_counter() - started,
                "section_seconds": section_seconds}
-        report = cluster_report(everyone, world, job)
+        report = cluster_report(everyone, world, job, cfg)
         path = Path(cfg["report_dir"]) / f"benchmark_{job['id']}.yaml"
         if world.is_node_leader:
             node = f"node{world.node_rank} ({local['hostname']})"

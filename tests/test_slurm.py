@@ -89,9 +89,12 @@ def test_benchmark_only_two_nodes(cluster, tmp_path):
     report = yaml.safe_load((tmp_path / f"benchmark_{job_id}.yaml").read_text())
     assert report["world"]["ranks"] == 4 and report["world"]["nodes"] == 2, output
     assert "skipped" not in report["links"] and report["links"]["pairs"], report["links"]
-    # both "nodes" share this machine's two cores, so a node may be flagged as a straggler: the verdict
-    # can be either, but the job's exit status must be the verdict's
-    assert fields["ExitCode"] == {"pass": "0:0", "fail": "1:0"}[report["verdict"]], output
+    # both "nodes" share this machine's two cores, so their CPU and host-memory figures may differ by
+    # more than 10%: that warns, it never fails, and the job goes on to train
+    assert report["verdict"] in ("pass", "warn"), report["checks"]
+    assert not [c for c in report["checks"] if c["status"] == "fail"], report["checks"]
+    assert fields["ExitCode"] == "0:0", output
+    assert "intra_node" in report["nccl"] and report["links"]["one_rank_per_node"]["ranks"] == 2
     assert {p.name for p in tmp_path.glob(f"benchmark_{job_id}_rank*.yaml")} == \
         {f"benchmark_{job_id}_rank0.yaml", f"benchmark_{job_id}_rank2.yaml"}
 
