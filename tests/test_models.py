@@ -196,5 +196,5 @@ def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped)
         model = train_script.build_model(train_script.model_config(shape), cfg, torch.device("cpu"), mesh=None)
     finally:
         dist.destroy_process_group()
-    layers = model.module.model.layers
+    layers = model.model.layers
     assert [i for i, layer in enumerate(layers) if isinstance(layer, CheckpointWrapper)] == wrapped
