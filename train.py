@@ -69,7 +69,7 @@ seed: int = 1337
 # Parallelism and speed
 sharding: str = "full"              # full (FULL_SHARD) | grad_op (SHARD_GRAD_OP) | hybrid (HYBRID_SHARD) | ddp
 cpu_offload: bool = False           # FSDP keeps parameters, gradients and optimizer state in CPU memory
-activation_checkpointing: str = "full"  # none | full (every block) | selective (every ac_every-th block)
+activation_checkpointing: str = "full"  # none | full | op (saves chosen op outputs) | selective (every ac_every-th block)
 ac_every: int = 2                   # selective checkpoints layers ac_every, 2·ac_every, ...
 compile: bool = True                # torch.compile each transformer block
 mixed_precision: str = "auto"       # bf16 (bf16 compute, fp32 weights and gradient reduction) | fp32 | auto: bf16 on GPU
@@ -93,7 +93,7 @@ gpus_per_node: int = 8              # dry run: GPUs per node, for --sharding=hyb
 gpu: str = "H100"                   # dry run: a GPU of benchmark.py's datasheet (its memory), or its memory in GB
 
 CHOICES = {"sharding": ("full", "grad_op", "hybrid", "ddp"), "ckpt_format": ("sharded", "full"),
-           "activation_checkpointing": ("none", "full", "selective"), "mixed_precision": ("auto", "bf16", "fp32")}
+           "activation_checkpointing": ("none", "full", "op", "selective"), "mixed_precision": ("auto", "bf16", "fp32")}
 # Options that change how a run is operated but not what it computes: left out of the default run_name.
 OPERATIONAL = {"run_name", "checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume_from",
                "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
@@ -730,6 +730,43 @@ def unpacked_sequences(position_ids):
     return None
 
 
+# Op-level selective checkpointing (torchtitan's "op" mode) keeps these outputs of every block and recomputes
+# the rest: attention (the costliest to recompute per byte), every other matmul, and FSDP's reduce-scatter.
+# GPT-2's Conv1D layers are addmm, Llama's linear layers mm.
+SAVED_OPS = {"aten.mm.default", "aten.addmm.default", "aten._scaled_dot_product_flash_attention.default",
+             "aten._scaled_dot_product_efficient_attention.default", "aten._scaled_dot_product_cudnn_attention.default",
+             "aten._scaled_dot_product_flash_attention_for_cpu.default", "_c10d_functional.reduce_scatter_tensor.default"}
+MATMULS = {"aten.mm.default", "aten.addmm.default"}
+
+
+def op_level_checkpointing():
+    """A context for one checkpointed forward and its recomputation: both count matmuls the same way, so
+    the recomputation replays exactly the matmuls the forward did not save."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    matmuls_seen = {False: 0, True: 0}  # by is_recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        name = str(op)
+        if name in MATMULS:
+            matmuls_seen[ctx.is_recompute] += 1
+            if matmuls_seen[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def checkpointed(index, cfg):
+    """Whether decoder layer index is wrapped in activation checkpointing, and with which context."""
+    mode = cfg.activation_checkpointing
+    if mode == "op":
+        return {"context_fn": op_level_checkpointing}
+    if mode == "full" or mode == "selective" and (index + 1) % cfg.ac_every == 0:
+        return {}
+    return None
+
+
 def build_model(config, cfg, device, mesh):
     """The model wrapped for training, weights allocated but not yet initialised (init_weights or
     load_pretrained follow)."""
@@ -741,8 +778,8 @@ def build_model(config, cfg, device, mesh):
     model = build_meta_model(config)
     blocks = decoder_layers(model)
     for index, block in enumerate(blocks):
-        if cfg.activation_checkpointing == "full" or cfg.activation_checkpointing == "selective" and (index + 1) % cfg.ac_every == 0:
-            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        if (checkpoint_options := checkpointed(index, cfg)) is not None:
+            block = checkpoint_wrapper(block, preserve_rng_state=False, **checkpoint_options)
         if cfg.compile:
             block.compile()
         blocks[index] = block
@@ -758,6 +795,11 @@ def build_model(config, cfg, device, mesh):
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for block in blocks:
         fully_shard(block, reshard_after_forward=cfg.sharding != "grad_op", **fsdp_kwargs)
+    # Untied input embeddings are their own unit, freed after forward until the end of backward (1 GB
+    # gathered at 8B, measured in docs/PERFORMANCE.md); tied ones are one tensor with the output layer.
+    embeddings = model.get_input_embeddings()
+    if embeddings.weight is not model.get_output_embeddings().weight:
+        fully_shard(embeddings, reshard_after_forward=cfg.sharding != "grad_op", **fsdp_kwargs)
     # The root (embeddings, final norm, output layer) stays gathered after forward: the loss and the
     # backward need it at once.
     fully_shard(model, reshard_after_forward=False, **fsdp_kwargs)
@@ -953,15 +995,21 @@ def peak_gb(cfg, config, world_size, n_params):
     return {name: size / 1e9 for name, size in memory.items()}
 
 
-def hardware_flops_per_token(cfg, config, model_flops):
-    """What the GPU computes per token, recomputation included: a checkpointed block runs its forward twice,
-    and the chunked loss recomputes the output layer's forward. model_flops (6·N + 12·L·H·Q·T) is three
-    forwards' worth, so a forward is a third of it, the output layer's 2·vocab·width of that."""
+def hardware_flops_per_token(cfg, model, config, model_flops):
+    """What the GPU computes per token, recomputation included. model_flops (6·N + 12·L·H·Q·T) is three
+    forwards' worth; of one forward, the output layer is 2·vocab·width and attention 4·L·H·Q·T. The chunked
+    loss recomputes the output layer; full checkpointing every block's forward, selective every
+    ac_every-th block's, op-level every other matmul (attention outputs are kept). A recomputation stops
+    at the last tensor backward needs, so a block's last matmul, the MLP's output projection, is not redone."""
     layers = config.num_hidden_layers
-    checkpointed = {"none": 0, "full": layers, "selective": layers // cfg.ac_every}[cfg.activation_checkpointing]
     output_forward = 2 * config.vocab_size * config.hidden_size
-    block_forward = (model_flops / 3 - output_forward) / layers
-    return model_flops + checkpointed * block_forward + output_forward
+    attention_forward = 4 * layers * config.hidden_size * cfg.seq_length
+    active = getattr(config, "num_experts_per_tok", 1) / getattr(config, "num_local_experts", 1)
+    name, last = [(n, p) for n, p in decoder_layers(model)[0].named_parameters() if p.ndim >= 2][-1]
+    redone_forward = model_flops / 3 - output_forward - 2 * layers * last.numel() * (active if "experts" in name else 1)
+    recomputed = {"none": 0, "full": redone_forward, "selective": redone_forward * (layers // cfg.ac_every) / layers,
+                  "op": (redone_forward - attention_forward) / 2}[cfg.activation_checkpointing]
+    return model_flops + recomputed + output_forward
 
 
 def gpu_memory_gb(gpu):
@@ -1005,8 +1053,9 @@ def report_dry_run(cfg, config, shape, n_params, world_size):
     print(f"model: {cfg.init_from or cfg.model} ({type(config).__name__}) n_embd={shape.n_embd} n_layer={shape.n_layer} "
           f"n_head={shape.n_head} n_positions={shape.n_positions} vocab={config.vocab_size}")
     print(f"parameters: {n_params:,} ({n_params / 1e9:.2f}B)")
-    model_flops = flops_per_token(build_meta_model(config), config, cfg.seq_length)
-    hardware_flops = hardware_flops_per_token(cfg, config, model_flops)
+    meta_model = build_meta_model(config)
+    model_flops = flops_per_token(meta_model, config, cfg.seq_length)
+    hardware_flops = hardware_flops_per_token(cfg, meta_model, config, model_flops)
     print(f"FLOPs per token: {model_flops / 1e9:.2f} G for MFU (6·N + 12·L·H·Q·T), {hardware_flops / 1e9:.2f} G computed "
           f"with recomputation: at most {model_flops / hardware_flops:.0%} MFU")
     started = time.perf_counter()

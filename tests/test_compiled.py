@@ -89,3 +89,26 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(preset):
     assert chunked.item() == pytest.approx(plain.item(), rel=1e-6)
     for plain_grad, param in zip(plain_grads, model.parameters()):
         torch.testing.assert_close(param.grad, plain_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_hardware_flops_count_the_recomputation(mode, preset):
+    """The dry run's hardware FLOPs: a checkpointed step with the chunked loss, counted (eager attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = train_script.parse_args([f"--model={preset}", "--n_layer=4", "--compile=False", "--sharding=ddp",
+                                   "--mixed_precision=fp32", f"--activation_checkpointing={mode}", "--seq_length=128"])
+    shape = train_script.resolve_shape(cfg)
+    train_script.check_config(cfg, shape, world_size=1)
+    config = train_script.model_config(shape)
+    config._attn_implementation = "eager"
+    model = train_script.build_model(config, cfg, torch.device("cpu"), mesh=None)
+    train_script.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
+    tokens = torch.randint(0, config.vocab_size, (2, 128))
+    with FlopCounterMode(display=False) as counter:
+        train_script.model_loss(model, tokens, tokens).backward()
+    model_flops = train_script.flops_per_token(model, config, 128)
+    plain = train_script.build_meta_model(config)
+    expected = train_script.hardware_flops_per_token(cfg, plain, config, model_flops) * tokens.numel()
+    assert counter.get_total_flops() == pytest.approx(expected, rel=0.03)

@@ -58,8 +58,9 @@ def test_accumulation_keeps_only_a_sharded_gradient_between_micro_steps():
 
 def test_memory_falls_with_checkpointing_and_sharded_state_with_world_size():
     peaks = {mode: sum(simulated_peak(*GPT2_SHORT, "--global_batch_size=16", f"--activation_checkpointing={mode}",
-                                      world_size=2).values()) for mode in ("none", "selective", "full")}
+                                      world_size=2).values()) for mode in ("none", "selective", "op", "full")}
     assert peaks["none"] > peaks["selective"] > peaks["full"], peaks
+    assert peaks["none"] > peaks["op"] > peaks["full"], peaks
     two = simulated_peak(*GPT2_SHORT, "--global_batch_size=16", world_size=2)
     eight = simulated_peak(*GPT2_SHORT, "--global_batch_size=64", world_size=8)
     for category in ("sharded parameters", "optimizer state"):

@@ -83,7 +83,8 @@ def test_tiny_llama_learns_with_fsdp(fsdp_llama_losses):
     assert fsdp_llama_losses[-1] < fsdp_llama_losses[0] - 0.2, fsdp_llama_losses
 
 
-@pytest.mark.parametrize("mode", [["--sharding=ddp", "--activation_checkpointing=full"], ["--cpu_offload=True"]])
+@pytest.mark.parametrize("mode", [["--sharding=ddp", "--activation_checkpointing=full"], ["--cpu_offload=True"],
+                                  ["--activation_checkpointing=op"]])
 def test_ddp_and_cpu_offload_compute_the_fsdp_losses(train, tmp_path, fsdp_llama_losses, mode):
     """Same initial weights (drawn whole, whatever the wrapping), same batches: the same losses."""
     train(tmp_path, *TINY_LLAMA, *mode, "--run_name=mode")
@@ -157,7 +158,7 @@ def test_config_file_errors_are_one_line_naming_file_and_key(tmp_path, capsys, t
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--activation_checkpointing=some"], "--activation_checkpointing=some is not one of: none, full, selective"),
+    (["--activation_checkpointing=some"], "--activation_checkpointing=some is not one of: none, full, op, selective"),
     (["--sharding=ddp", "--cpu_offload=True"], "--cpu_offload=True needs FSDP"),
     (["--init_from=/nonexistent/model"], "--init_from=/nonexistent/model: "),
     (["--init_from={saved}", "--n_layer=2"], "brings its own shape; drop --n_embd"),
@@ -198,3 +199,24 @@ def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped)
         dist.destroy_process_group()
     layers = model.model.layers
     assert [i for i, layer in enumerate(layers) if isinstance(layer, CheckpointWrapper)] == wrapped
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_op_level_checkpointing_gives_the_plain_loss_and_gradients(preset):
+    """One process: the blocks recompute what the policy did not save, and nothing else changes."""
+    tokens, targets = torch.randint(0, 512, (2, 64)), torch.randint(0, 512, (2, 64))
+    results = {}
+    for mode in ("none", "op"):
+        cfg = train_script.parse_args([f"--model={preset}", "--compile=False", "--sharding=ddp", "--mixed_precision=fp32",
+                                       f"--activation_checkpointing={mode}"])
+        shape = train_script.resolve_shape(cfg)
+        train_script.check_config(cfg, shape, world_size=1)
+        config = train_script.model_config(shape)
+        model = train_script.build_model(config, cfg, torch.device("cpu"), mesh=None)
+        train_script.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
+        loss = train_script.model_loss(model, tokens, targets)
+        loss.backward()
+        results[mode] = loss.item(), [p.grad for p in model.parameters()]
+    assert results["op"][0] == pytest.approx(results["none"][0], rel=1e-6)
+    for with_op, without in zip(results["op"][1], results["none"][1]):
+        torch.testing.assert_close(with_op, without, rtol=1e-5, atol=1e-7)

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from conftest import TINY, read_metrics
+from conftest import TINY, launch, read_metrics
 
 
 def test_two_process_fsdp_run_learns(train, tmp_path):
@@ -31,14 +31,18 @@ def test_one_process_with_accumulation_matches_two_processes(train, tmp_path):
     assert len(set(one_losses)) == 5  # the weights really changed between steps
 
 
-@pytest.mark.parametrize("sharding", ["grad_op", "hybrid"])
-def test_sharding_modes_compute_the_same_losses(train, tmp_path, sharding):
-    full = tmp_path / "full"
-    other = tmp_path / sharding
-    train(full, *TINY, "--max_steps=3")
-    train(other, *TINY, "--max_steps=3", f"--sharding={sharding}")
-    assert [r["loss"] for r in read_metrics(other)] == pytest.approx(
-        [r["loss"] for r in read_metrics(full)], rel=1e-5)
+@pytest.fixture(scope="module")
+def full_sharding_losses(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("full")
+    result = launch("train.py", [f"--log_dir={log_dir}", f"--checkpoint_dir={log_dir}", *TINY, "--max_steps=3"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return [r["loss"] for r in read_metrics(log_dir)]
+
+
+@pytest.mark.parametrize("option", ["--sharding=grad_op", "--sharding=hybrid", "--activation_checkpointing=op"])
+def test_sharding_and_checkpointing_modes_compute_the_same_losses(train, tmp_path, full_sharding_losses, option):
+    train(tmp_path, *TINY, "--max_steps=3", option)
+    assert [r["loss"] for r in read_metrics(tmp_path)] == pytest.approx(full_sharding_losses, rel=1e-5)
 
 
 @pytest.mark.parametrize("args, env, message", [
