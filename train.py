@@ -69,7 +69,7 @@ seed: int = 1337
 # Parallelism and speed
 sharding: str = "full"              # full (FULL_SHARD) | grad_op (SHARD_GRAD_OP) | hybrid (HYBRID_SHARD) | ddp
 cpu_offload: bool = False           # FSDP keeps parameters, gradients and optimizer state in CPU memory
-activation_checkpointing: str = "full"  # none | full | op (saves chosen op outputs) | selective (every ac_every-th block)
+activation_checkpointing: str = "op"    # none | full | op (saves chosen op outputs) | selective (every ac_every-th block)
 ac_every: int = 2                   # selective checkpoints layers ac_every, 2·ac_every, ...
 compile: bool = True                # torch.compile each transformer block
 mixed_precision: str = "auto"       # bf16 (bf16 compute, fp32 weights and gradient reduction) | fp32 | auto: bf16 on GPU
