@@ -884,12 +884,13 @@ def host_values(tensor):
     return [0.0] * tensor.numel() if is_fake(tensor) else tensor.tolist()
 
 
-def train_step(model, batches, optimizer, accumulation, grad_clip, stop_requested):
+def train_step(model, batches, optimizer, accumulation, grad_clip, stop_requests):
     """One optimizer step, as the training loop and the dry run's simulation both take it: per micro-batch a
     forward, the loss and a backward, then clipping and the update, skipped when the gradient norm is not
     finite. Under FSDP each micro-step reduce-scatters its gradients (as torchtitan does): skipping that
     would keep a whole unsharded fp32 gradient alive between micro-steps. DDP all-reduces on the last one.
-    Returns the mean loss (a device tensor), the gradient norm and whether any rank asked to stop."""
+    stop_requests is the list the signal handler appends to, read as late as possible. Returns the mean loss
+    (a device tensor), the gradient norm and whether any rank asked to stop."""
     loss = 0.0
     for micro in range(accumulation):
         inputs, targets = next(batches)
@@ -899,7 +900,7 @@ def train_step(model, batches, optimizer, accumulation, grad_clip, stop_requeste
             micro_loss.backward()
         loss += micro_loss.detach()
     grad_norm = clip_gradients(model.parameters(), grad_clip)
-    stop = torch.full((), float(stop_requested), device=grad_norm.device)
+    stop = torch.full((), float(len(stop_requests)), device=grad_norm.device)
     dist.all_reduce(stop)  # any rank may get the signal; all stop at the same step
     grad_norm, stop = host_values(torch.stack([grad_norm, stop]))
     if math.isfinite(grad_norm):  # the norm is global, so every rank takes the same branch
@@ -966,12 +967,12 @@ def simulate_peak_memory(cfg, config, world_size):
             optimizer = build_optimizer(model, cfg, fused=True)
             tokens = torch.randint(0, config.vocab_size, (cfg.batch_size, cfg.seq_length))
             batches = itertools.repeat((tokens, tokens))
-            train_step(model, batches, optimizer, 1, cfg.grad_clip, 0)
+            train_step(model, batches, optimizer, 1, cfg.grad_clip, [])
             tracker = FSDPMemTracker(model, optimizer)
             with tracker:
                 # The tracker takes a second forward of the root for a second iteration; a micro-step is not.
                 hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
-                train_step(model, batches, optimizer, accumulation, cfg.grad_clip, 0)
+                train_step(model, batches, optimizer, accumulation, cfg.grad_clip, [])
                 hook.remove()
             snapshot = tracker.get_tracker_snapshot("peak")
     finally:
@@ -1482,7 +1483,7 @@ def main(argv):
     bad_steps, stopped = 0, False
     for step in range(start_step, total_steps):
         step_start = time.perf_counter()
-        loss, grad_norm, stop = train_step(model, batches, optimizer, accumulation, cfg.grad_clip, len(stop_requests))
+        loss, grad_norm, stop = train_step(model, batches, optimizer, accumulation, cfg.grad_clip, stop_requests)
         if step > start_step:  # the first step compiles: timing it would understate every later one
             window.update(seconds=window["seconds"] + time.perf_counter() - step_start, timed=window["timed"] + 1)
         window.update(loss=window["loss"] + loss, steps=window["steps"] + 1)
