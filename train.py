@@ -96,8 +96,8 @@ world_size: int | None = None       # dry run: the world size simulated; None: $
 gpus_per_node: int = 8              # dry run: GPUs per node, for --sharding=hybrid
 gpu: str = "H100"                   # dry run: a GPU of benchmark.py's datasheet (its memory), or its memory in GB
 # When a run misbehaves (docs/SLURM.md): a watchdog per rank, and a profiler on demand
-hang_minimum_s: float = 300.0       # watchdog: no optimizer step for max(this, hang_factor x median step time) is a
-hang_factor: float = 10.0           #   hang: stacks to the run's log folder, one line, exit status HUNG
+hang_minimum_s: float = 300.0       # watchdog: no optimizer step for max(this, hang_factor x median step
+hang_factor: float = 10.0           #   time) is a hang: stacks to the run's log folder, one line, exit HUNG
 checkpoint_limit_s: float = 1800.0  # a checkpoint write (or the final export) taking longer is a hang too
 eval_limit_s: float = 900.0         # an evaluation taking longer is a hang too
 profile_steps: str | None = None    # A,B: torch.profiler traces steps A to B (as logged) of rank 0
@@ -693,8 +693,10 @@ def build_meta_model(config):
 def decoder_layers(model):
     """The ModuleList of the family's own decoder-layer class, the unit transformers names for sharding; also
     once its layers are wrapped for checkpointing and sharded (fully_shard names the class FSDP<name>)."""
-    layer_class = lambda layer: type(getattr(layer, "_checkpoint_wrapped_module", layer)).__name__.removeprefix("FSDP")
-    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and layer_class(m[0]) in model._no_split_modules)
+    def layer_class(layer):
+        return type(getattr(layer, "_checkpoint_wrapped_module", layer)).__name__.removeprefix("FSDP")
+    return next(m for m in model.modules()
+                if isinstance(m, torch.nn.ModuleList) and layer_class(m[0]) in model._no_split_modules)
 
 
 def flops_per_token(model, config, seq_length):
@@ -1319,7 +1321,7 @@ def log_step(record, metrics_file, writer):
           f"{shown('samples_per_s', '{:.1f}')} samples/s | step {shown('step_time_s', '{:.3f}')} s | "
           f"MFU {shown('mfu', '{:.1%}')} | mem {shown('peak_mem_GB', '{:.1f}')} / {shown('peak_reserved_GB', '{:.1f}')} GB"
           + (f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}" if "val_loss" in record else "")
-          + "".join(f" | straggler {name}: {describe_straggler(figures, (record['compute_s'], record['data_wait_s']))}"
+          + "".join(f" | straggler {name}: {describe_straggler(figures, record)}"
                     for name, figures in record.get("stragglers", {}).items()),
           flush=True)
     metrics_file.write(json.dumps(record) + "\n")
@@ -1335,19 +1337,23 @@ def log_step(record, metrics_file, writer):
 # Every file goes to the run's log folder, <log_dir>/<run_name>.
 # --------------------------------------------------------------------------------------------
 def flight_recorder_env(environ, folder):
-    """Turns on NCCL's flight recorder (the last FR_BUFFER_SIZE collectives of each rank, dumped when one times
-    out) with its dumps in folder; a variable the user set, under its new or its old name, wins."""
+    """Turns on NCCL's flight recorder (the last FR_BUFFER_SIZE collectives of each rank, dumped when one
+    times out) with its dumps in folder/flight_recorder, alone there as torchfrtrace wants them; a variable
+    the user set, under its new or its old name, wins."""
+    dumps = os.path.join(folder, "flight_recorder")
     defaults = {("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(FR_BUFFER_SIZE),
                 ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
-                ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): os.path.join(folder, "flight_recorder_rank_")}
+                ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): os.path.join(dumps, "rank_")}
     for names, value in defaults.items():
         if not any(name in environ for name in names):
             environ[names[0]] = value
+    os.makedirs(dumps, exist_ok=True)
 
 
 def set_pg_timeouts(timeout, mesh):
-    """The timeout of the default group and the mesh's. Every rank first reaches this point (as in torchtitan),
-    so none issues a collective under a short timeout while another is still in a long first step."""
+    """The timeout of the default group and the mesh's. Every rank first reaches this point (as in
+    torchtitan), so none issues a collective under a short timeout while another is still in a long first
+    step."""
     dist.barrier()
     for group in [None, *(mesh.get_group(dim) for dim in range(mesh.ndim))]:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
@@ -1409,19 +1415,22 @@ class Watchdog:
                 self.report(waited, limit)
 
     def report(self, waited, limit):
-        during = f" ({self.phase_name}, limit {limit:.0f} s)" if self.phase_limit is not None else f" (limit {limit:.0f} s)"
-        line = f"no step for {waited:.0f} s on {self.host} rank {self.rank}; stacks in {self.path}{during}"
-        with open(self.path, "w") as file:
-            file.write(line + "\n\n")
-            file.flush()
-            faulthandler.dump_traceback(file, all_threads=True)
-        dump_trace = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
-        if self.cuda and dump_trace is not None:  # a CUDA build: this rank's view of its last collectives too
-            prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-            with open(f"{prefix}{self.rank}", "wb") as file:
-                file.write(dump_trace())
-        print(line, file=sys.stderr, flush=True)
-        os._exit(HUNG)
+        during = f"{self.phase_name}, " if self.phase_limit is not None else ""
+        line = (f"no step for {waited:.0f} s on {self.host} rank {self.rank}; stacks in {self.path} "
+                f"({during}limit {limit:.0f} s)")
+        try:  # whatever fails here, the rank must still end
+            with open(self.path, "w") as file:
+                file.write(line + "\n\n")
+                file.flush()
+                faulthandler.dump_traceback(file, all_threads=True)
+            dump_trace = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+            if self.cuda and dump_trace is not None:  # a CUDA build: this rank's view of its last collectives too
+                prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+                with open(f"{prefix}{self.rank}", "wb") as file:
+                    file.write(dump_trace())
+        finally:
+            print(line, file=sys.stderr, flush=True)
+            os._exit(HUNG)
 
 
 class RankTimes:
@@ -1477,14 +1486,15 @@ class RankTimes:
 
 
 def find_stragglers(names, timings, margin=STRAGGLER_MARGIN):
-    """The ranks more than margin above the median compute or data-wait time, as {name: {figure: seconds}}.
-    names: host:local_rank per rank; timings: (compute s, data s) per rank. The excess must also be margin of
-    the median step's compute and data time together: a data wait of microseconds twice the median is noise."""
-    medians = [statistics.median(column) for column in zip(*timings)]
-    floor = margin * sum(medians)
+    """The medians, and the ranks more than margin above the median compute or data-wait time, as
+    {name: {figure: seconds}}. names: host:local_rank per rank; timings: (compute s, data s) per rank. The
+    excess must also be margin of the median compute and data time together: a data wait of microseconds
+    twice the median is noise."""
+    medians = dict(zip(("compute_s", "data_wait_s"), (statistics.median(column) for column in zip(*timings))))
+    floor = margin * sum(medians.values())
     named = {}
     for name, values in zip(names, timings):
-        slow = {f"{label}_s": value for label, value, median in zip(("compute", "data_wait"), values, medians)
+        slow = {key: value for (key, median), value in zip(medians.items(), values)
                 if value > (1 + margin) * median and value - median > floor}
         if slow:
             named[name] = slow
@@ -1506,14 +1516,14 @@ class Stragglers:
             if streak == STRAGGLER_WINDOWS:
                 host = name.rpartition(":")[0]
                 print(f"warning: {name} has been a straggler for {streak} log windows in a row "
-                      f"({describe_straggler(named[name], medians)}); if its node stays slow, stop the job and "
-                      f"resubmit without it: sbatch --exclude={host} slurm_submit.sh ...", flush=True)
-        return {"compute_s": medians[0], "data_wait_s": medians[1], "stragglers": named}
+                      f"({describe_straggler(named[name], medians)}); if its node stays slow, stop the job "
+                      f"and resubmit without it: sbatch --exclude={host} slurm_submit.sh ...", flush=True)
+        return {**medians, "stragglers": named}
 
 
 def describe_straggler(figures, medians):
-    median = dict(zip(("compute_s", "data_wait_s"), medians))
-    return ", ".join(f"{key[:-2].replace('_', ' ')} {value:.3f} s/step vs median {median[key]:.3f}"
+    """figures and medians: seconds per step by compute_s and data_wait_s."""
+    return ", ".join(f"{key[:-2].replace('_', ' ')} {value:.3f} s/step vs median {medians[key]:.3f}"
                      for key, value in figures.items())
 
 
@@ -1531,7 +1541,8 @@ class StepProfiler:
             yield
             return
         if number == self.steps[0]:
-            activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self.cuda
+            kinds = torch.profiler.ProfilerActivity
+            activities = [kinds.CPU, kinds.CUDA] if self.cuda else [kinds.CPU]
             self.profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=True)
             self.profiler.start()
             if self.cuda:
@@ -1541,7 +1552,9 @@ class StepProfiler:
         if number == self.steps[1]:
             self.profiler.stop()
             first, last = self.steps
-            trace = os.path.join(self.folder, f"trace_steps_{first}-{last}_{socket.gethostname()}_rank0.pt.trace.json")
+            # .pt.trace.json: the name TensorBoard's profiler plugin looks for
+            name = f"trace_steps_{first}-{last}_{socket.gethostname()}_rank0.pt.trace.json"
+            trace = os.path.join(self.folder, name)
             self.profiler.export_chrome_trace(trace)
             print(f"profile: steps {first} to {last} traced in {trace}", flush=True)
             if self.cuda:
@@ -1640,7 +1653,8 @@ def main(argv):
     # Offloaded gradients are CPU tensors: their norm needs a CPU backend beside NCCL.
     backend = ("cuda:nccl,cpu:gloo" if cfg.cpu_offload else "nccl") if device.type == "cuda" else "gloo"
     # device_id binds NCCL's communicator to this GPU at once, instead of guessing it at the first collective.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=PG_TIMEOUT_FIRST_STEP,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=PG_TIMEOUT_FIRST_STEP,
                             device_id=device if device.type == "cuda" else None)
     try:
         mesh = device_mesh(cfg, device.type, world_size, local_world_size)
@@ -1695,7 +1709,8 @@ def main(argv):
     window = new_window(device)
     bad_steps, stopped = 0, False
     watchdog = Watchdog(cfg, log_folder, rank, device)
-    rank_times, profiler = RankTimes(model, device), StepProfiler(profiled_steps(cfg.profile_steps), log_folder, device, master)
+    rank_times = RankTimes(model, device)
+    profiler = StepProfiler(profiled_steps(cfg.profile_steps), log_folder, device, master)
     names = [None] * world_size
     dist.all_gather_object(names, f"{socket.gethostname()}:{local_rank}")
     stragglers, timed_batches = Stragglers(names), rank_times.timed(batches)
@@ -1727,8 +1742,10 @@ def main(argv):
         if step == start_step and master:
             print(f"time to first step: {time.perf_counter() - start_time:.1f} s", flush=True)
         evaluating = validation_batches and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total_steps)
-        with watchdog.phase("evaluating", cfg.eval_limit_s) if evaluating else contextlib.nullcontext():
-            val_loss = evaluate(model, validation_batches(), cfg.eval_batches, world_size) if evaluating else None
+        val_loss = None
+        if evaluating:
+            with watchdog.phase("evaluating", cfg.eval_limit_s):
+                val_loss = evaluate(model, validation_batches(), cfg.eval_batches, world_size)
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps or evaluating:
             dist.all_reduce(window["loss"])  # gloo has no AVG: sum, then divide
             timings = rank_times.gather(world_size, master)
@@ -1746,10 +1763,12 @@ def main(argv):
                 checkpointer.save(step + 1, model, optimizer, scheduler, batches, trainer_state)
         if stopped:
             break
-    with watchdog.phase("writing the final checkpoint and model", cfg.checkpoint_limit_s), generous_pg_timeouts(mesh):
+    last_writes = watchdog.phase("writing the last checkpoint and model", cfg.checkpoint_limit_s)
+    with last_writes, generous_pg_timeouts(mesh):
         checkpointer.finish()
         if not stopped:
-            export_pretrained(model, config, tokenizer, os.path.join(checkpointer.run_dir, "final_model"), rank)
+            final_model = os.path.join(checkpointer.run_dir, "final_model")
+            export_pretrained(model, config, tokenizer, final_model, rank)
     if master:
         if stopped:
             print(f"stopped by signal after step {step + 1}; checkpoint saved, relaunch to resume", flush=True)

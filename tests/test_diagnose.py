@@ -27,7 +27,7 @@ HOST = socket.gethostname()
 def test_ranks_above_the_median_are_named_with_their_figure():
     names = ["a:0", "a:1", "b:0", "b:1"]
     medians, named = train_script.find_stragglers(names, [(1.0, 0.01), (1.05, 0.01), (1.3, 0.01), (0.9, 0.4)])
-    assert medians == pytest.approx([1.025, 0.01])
+    assert medians == pytest.approx({"compute_s": 1.025, "data_wait_s": 0.01})
     assert named == {"b:0": {"compute_s": 1.3}, "b:1": {"data_wait_s": 0.4}}  # a:1 is 2% above: not named
     # Data waits of microseconds, one of them twice the median: noise, not a straggler.
     assert train_script.find_stragglers(names, [(1.0, 1e-5), (1.0, 1e-5), (1.0, 3e-5), (1.0, 1e-5)])[1] == {}
@@ -51,7 +51,8 @@ def test_flight_recorder_is_on_and_users_settings_win(tmp_path):
     environ = {}
     train_script.flight_recorder_env(environ, str(tmp_path))
     assert environ == {"TORCH_FR_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                       "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/flight_recorder_rank_"}
+                       "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/flight_recorder/rank_"}
+    assert (tmp_path / "flight_recorder").is_dir()
     users = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_"}  # the variables' older names
     environ = dict(users)
