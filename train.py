@@ -1347,7 +1347,8 @@ def flight_recorder_env(environ, folder):
     for names, value in defaults.items():
         if not any(name in environ for name in names):
             environ[names[0]] = value
-    os.makedirs(dumps, exist_ok=True)
+    if environ.get("TORCH_FR_DUMP_TEMP_FILE", "").startswith(dumps):
+        os.makedirs(dumps, exist_ok=True)
 
 
 def set_pg_timeouts(timeout, mesh):
@@ -1473,11 +1474,14 @@ class RankTimes:
             self.data += time.perf_counter() - started
             yield item
 
+    def reset(self):
+        self.compute, self.data, self.events = 0.0, 0.0, []
+
     def gather(self, world_size, master):
         """(compute s, data s) of every rank since the last gather, on rank 0; None on the others."""
         compute = self.compute + sum(start.elapsed_time(end) / 1e3 for start, end in self.events)
         local = torch.tensor([compute, self.data])
-        self.compute, self.data, self.events = 0.0, 0.0, []
+        self.reset()
         if self.cuda:
             local = local.pin_memory().to(self.device, non_blocking=True)
         gathered = [torch.empty_like(local) for _ in range(world_size)]
@@ -1508,8 +1512,10 @@ class Stragglers:
         self.names, self.streaks = names, {}
 
     def window(self, timings, steps):
-        """The record's fields for one log window (seconds per step); warns of a rank named STRAGGLER_WINDOWS
-        windows in a row."""
+        """The record's fields for one log window of steps timed steps (seconds per step); warns of a rank
+        named STRAGGLER_WINDOWS windows in a row."""
+        if not steps:
+            return {}
         medians, named = find_stragglers(self.names, [[value / steps for value in rank] for rank in timings])
         self.streaks = {name: self.streaks.get(name, 0) + 1 for name in named}
         for name, streak in self.streaks.items():
@@ -1722,6 +1728,7 @@ def main(argv):
         watchdog.step_done(timed=step > start_step)
         if step == start_step:
             set_pg_timeouts(PG_TIMEOUT, mesh)
+            rank_times.reset()  # the first step compiles, as for the window's speed
         if step > start_step:  # the first step compiles: timing it would understate every later one
             window.update(seconds=window["seconds"] + time.perf_counter() - step_start, timed=window["timed"] + 1)
         window.update(loss=window["loss"] + loss, steps=window["steps"] + 1)
@@ -1752,7 +1759,7 @@ def main(argv):
             if master:
                 record = window_record(window, step + 1, lr_now, grad_norm, tokens_per_step,
                                        cfg.global_batch_size, flops_token, peak, world_size, device, val_loss)
-                record.update(stragglers.window(timings, window["steps"]))
+                record.update(stragglers.window(timings, window["timed"]))
                 log_step(record, metrics_file, writer)
             window = new_window(device)
         stopped = stop and step + 1 < total_steps  # a signal at the last step changes nothing

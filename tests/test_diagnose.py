@@ -137,7 +137,7 @@ def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
     log = "".join(output)
     run = tmp_path / "slow"
 
-    # The first window's first step ran at full speed on both ranks: it may or may not name rank 1.
+    # The first window's one timed step, step 2, starts as the throttling does: it may or may not name rank 1.
     windows = [line for line in output if re.match(r"step +[468] \|", line)]
     assert len(windows) == 3 and all(f"| straggler {HOST}:1: compute" in line for line in windows), log[-3000:]
     assert f"{HOST}:0" not in log
