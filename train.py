@@ -8,9 +8,11 @@ Edit the constants below, set them in a YAML file given as --config=FILE.yaml, o
 as --name=value (bare --flag means True); flags win over the file.
 Read top to bottom: configuration, data, model, optimizer, checkpoints, logging, main().
 """
+import collections
 import contextlib
 import copy
 import difflib
+import faulthandler
 import functools
 import glob
 import hashlib
@@ -22,6 +24,8 @@ import queue
 import re
 import shutil
 import signal
+import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -91,14 +95,30 @@ dry_run: bool = False               # simulate training steps on fake tensors: p
 world_size: int | None = None       # dry run: the world size simulated; None: $WORLD_SIZE, else 8
 gpus_per_node: int = 8              # dry run: GPUs per node, for --sharding=hybrid
 gpu: str = "H100"                   # dry run: a GPU of benchmark.py's datasheet (its memory), or its memory in GB
+# When a run misbehaves (docs/SLURM.md): a watchdog per rank, and a profiler on demand
+hang_minimum_s: float = 300.0       # watchdog: no optimizer step for max(this, hang_factor x median step
+hang_factor: float = 10.0           #   time) is a hang: stacks to the run's log folder, one line, exit HUNG
+checkpoint_limit_s: float = 1800.0  # a checkpoint write (or the final export) taking longer is a hang too
+eval_limit_s: float = 900.0         # an evaluation taking longer is a hang too
+profile_steps: str | None = None    # A,B: torch.profiler traces steps A to B (as logged) of rank 0
 
 CHOICES = {"sharding": ("full", "grad_op", "hybrid", "ddp"), "ckpt_format": ("sharded", "full"),
            "activation_checkpointing": ("none", "full", "op", "selective"), "mixed_precision": ("auto", "bf16", "fp32")}
 # Options that change how a run is operated but not what it computes: left out of the default run_name.
 OPERATIONAL = {"run_name", "checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume_from",
                "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
-               "prepare_only", "eval_every", "eval_batches", "world_size", "gpus_per_node", "gpu"}
+               "prepare_only", "eval_every", "eval_batches", "world_size", "gpus_per_node", "gpu",
+               "hang_minimum_s", "hang_factor", "checkpoint_limit_s", "eval_limit_s", "profile_steps"}
 STOPPED_BY_SIGNAL = 75              # exit status after a signal-triggered checkpoint: the launcher requeues
+HUNG = 3                            # exit status of a rank its watchdog ended
+# Process-group timeouts, as torchtitan's set_pg_timeouts: generous until the first step is done (compiling,
+# loading weights) and while a checkpoint is written; short after, so a hung collective ends in minutes, not
+# half an hour. Longer than hang_minimum_s, so the watchdog names the hang first.
+PG_TIMEOUT_FIRST_STEP = timedelta(minutes=30)
+PG_TIMEOUT = timedelta(minutes=10)
+FR_BUFFER_SIZE = 20000              # NCCL flight recorder: the last collectives kept per rank (torchtitan's)
+STRAGGLER_MARGIN = 0.10             # a rank this far above the median compute or data-wait time is named
+STRAGGLER_WINDOWS = 3               # named in this many log windows in a row: a warning to exclude its node
 
 GPT2_VOCAB = 50257                  # token ids of the gpt2 tokenizer
 LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
@@ -272,10 +292,25 @@ def check_config(cfg, shape, world_size):
         raise ConfigError("--cpu_offload=True needs FSDP; it does not work with --sharding=ddp")
     if cfg.resume_from is not None and not os.path.isfile(os.path.join(cfg.resume_from, "trainer_state.json")):
         raise ConfigError(f"--resume_from={cfg.resume_from} is not a complete checkpoint folder (no trainer_state.json)")
+    for name in ("hang_minimum_s", "hang_factor", "checkpoint_limit_s", "eval_limit_s"):
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    profiled_steps(cfg.profile_steps)
     if cfg.run_name is None:
         identity = {k: v for k, v in vars(cfg).items() if k not in OPERATIONAL}
         digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
         cfg.run_name = f"{cfg.model}-{digest}"
+
+
+def profiled_steps(text):
+    """--profile_steps=A,B as (A, B); None when not set."""
+    if text is None:
+        return None
+    first, _, last = text.partition(",")
+    if not (first.strip().isdigit() and last.strip().isdigit() and 1 <= int(first) <= int(last)):
+        raise ConfigError(f"--profile_steps={text}: expected two step numbers A,B with 1 <= A <= B, "
+                          f"e.g. --profile_steps=5,8")
+    return int(first), int(last)
 
 
 # --------------------------------------------------------------------------------------------
@@ -656,8 +691,12 @@ def build_meta_model(config):
 
 
 def decoder_layers(model):
-    """The ModuleList of the family's own decoder-layer class, the unit transformers names for sharding."""
-    return next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and type(m[0]).__name__ in model._no_split_modules)
+    """The ModuleList of the family's own decoder-layer class, the unit transformers names for sharding; also
+    once its layers are wrapped for checkpointing and sharded (fully_shard names the class FSDP<name>)."""
+    def layer_class(layer):
+        return type(getattr(layer, "_checkpoint_wrapped_module", layer)).__name__.removeprefix("FSDP")
+    return next(m for m in model.modules()
+                if isinstance(m, torch.nn.ModuleList) and layer_class(m[0]) in model._no_split_modules)
 
 
 def flops_per_token(model, config, seq_length):
@@ -1331,14 +1370,254 @@ def log_step(record, metrics_file, writer):
           f"grad norm {record['grad_norm']:.3f} | {shown('tokens_per_s', '{:,.0f}')} tok/s | "
           f"{shown('samples_per_s', '{:.1f}')} samples/s | step {shown('step_time_s', '{:.3f}')} s | "
           f"MFU {shown('mfu', '{:.1%}')} | mem {shown('peak_mem_GB', '{:.1f}')} / {shown('peak_reserved_GB', '{:.1f}')} GB"
-          + (f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}" if "val_loss" in record else ""),
+          + (f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}" if "val_loss" in record else "")
+          + "".join(f" | straggler {name}: {describe_straggler(figures, record)}"
+                    for name, figures in record.get("stragglers", {}).items()),
           flush=True)
     metrics_file.write(json.dumps(record) + "\n")
     metrics_file.flush()
     if writer is not None:
         for key, value in record.items():
-            if key != "step" and value is not None:
+            if key != "step" and isinstance(value, (int, float)):
                 writer.add_scalar(f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}", value, record["step"])
+
+
+# --------------------------------------------------------------------------------------------
+# When a run misbehaves: flight recorder, process-group timeouts, a watchdog, stragglers, a profiler.
+# Every file goes to the run's log folder, <log_dir>/<run_name>.
+# --------------------------------------------------------------------------------------------
+def flight_recorder_env(environ, folder):
+    """Turns on NCCL's flight recorder (the last FR_BUFFER_SIZE collectives of each rank, dumped when one
+    times out) with its dumps in folder/flight_recorder, alone there as torchfrtrace wants them; a variable
+    the user set, under its new or its old name, wins."""
+    dumps = os.path.join(folder, "flight_recorder")
+    defaults = {("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(FR_BUFFER_SIZE),
+                ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+                ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): os.path.join(dumps, "rank_")}
+    for names, value in defaults.items():
+        if not any(name in environ for name in names):
+            environ[names[0]] = value
+    if environ.get("TORCH_FR_DUMP_TEMP_FILE", "").startswith(dumps):
+        os.makedirs(dumps, exist_ok=True)
+
+
+def set_pg_timeouts(timeout, mesh):
+    """The timeout of the default group and the mesh's. Every rank first reaches this point (as in
+    torchtitan), so none issues a collective under a short timeout while another is still in a long first
+    step."""
+    dist.barrier()
+    for group in [None, *(mesh.get_group(dim) for dim in range(mesh.ndim))]:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+@contextlib.contextmanager
+def generous_pg_timeouts(mesh):
+    """A checkpoint write waits in barriers for the slowest writer, which on slow storage may take longer than
+    PG_TIMEOUT: its own limit is checkpoint_limit_s, kept by the watchdog."""
+    set_pg_timeouts(PG_TIMEOUT_FIRST_STEP, mesh)
+    yield
+    set_pg_timeouts(PG_TIMEOUT, mesh)
+
+
+class Watchdog:
+    """A daemon thread that ends a hung rank. When no optimizer step completes within max(hang_minimum_s,
+    hang_factor x median step time), it writes every thread's Python stack (and on GPU the flight recorder)
+    to the run's log folder, prints one line and exits with HUNG: no rank waits out a collective's timeout
+    silently. Until a step has been timed (the first compiles) the limit is PG_TIMEOUT_FIRST_STEP; checkpoint
+    writing and evaluation run under their own limits (phase)."""
+
+    def __init__(self, cfg, folder, rank, device):
+        self.cfg, self.rank, self.cuda = cfg, rank, device.type == "cuda"
+        self.host = socket.gethostname()
+        self.path = os.path.join(folder, f"stacks_{self.host}_rank{rank}.txt")
+        self.step_times = collections.deque(maxlen=100)
+        self.last, self.phase_limit, self.phase_name = time.monotonic(), None, None
+        threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
+
+    def step_done(self, timed):
+        now = time.monotonic()
+        if timed:
+            self.step_times.append(now - self.last)
+        self.last = now
+
+    @contextlib.contextmanager
+    def phase(self, name, limit):
+        # The order of the assignments keeps the thread from pairing a short limit with an old start time.
+        self.phase_limit, self.phase_name = limit, name
+        self.last = time.monotonic()
+        try:
+            yield
+        finally:
+            self.last = time.monotonic()
+            self.phase_limit = None
+
+    def limit(self):
+        if self.phase_limit is not None:
+            return self.phase_limit
+        if not self.step_times:
+            return PG_TIMEOUT_FIRST_STEP.total_seconds()
+        return max(self.cfg.hang_minimum_s, self.cfg.hang_factor * statistics.median(self.step_times))
+
+    def watch(self):
+        while True:
+            time.sleep(0.5)
+            limit, waited = self.limit(), time.monotonic() - self.last
+            if waited > limit:
+                self.report(waited, limit)
+
+    def report(self, waited, limit):
+        during = f"{self.phase_name}, " if self.phase_limit is not None else ""
+        line = (f"no step for {waited:.0f} s on {self.host} rank {self.rank}; stacks in {self.path} "
+                f"({during}limit {limit:.0f} s)")
+        try:  # whatever fails here, the rank must still end
+            with open(self.path, "w") as file:
+                file.write(line + "\n\n")
+                file.flush()
+                faulthandler.dump_traceback(file, all_threads=True)
+            dump_trace = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+            if self.cuda and dump_trace is not None:  # a CUDA build: this rank's view of its last collectives too
+                prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"]
+                with open(f"{prefix}{self.rank}", "wb") as file:
+                    file.write(dump_trace())
+        finally:
+            print(line, file=sys.stderr, flush=True)
+            os._exit(HUNG)
+
+
+class RankTimes:
+    """This rank's seconds computing and waiting for data since the last read. Compute is the decoder layers'
+    forward, timed from hooks that run after FSDP's own pre-forward hook has waited for the layer's gathered
+    weights: waiting for a slower rank is not counted, so a slow rank stands out instead of making every rank
+    look slow. On GPU the hooks record CUDA events, read at the log window's end when the step's own
+    synchronisation has completed them: no extra sync. Data wait is the host's time in next(batches)."""
+
+    def __init__(self, model, device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.compute, self.data, self.started, self.events = 0.0, 0.0, None, []
+        for layer in decoder_layers(getattr(model, "module", model)):
+            layer.register_forward_pre_hook(self.start)
+            layer.register_forward_hook(self.stop)
+
+    @torch.compiler.disable
+    def start(self, module, args):
+        if torch.is_grad_enabled():  # training, not evaluation
+            self.started = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                self.started.record()
+
+    @torch.compiler.disable
+    def stop(self, module, args, output):
+        if self.started is None:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self.started, end))
+        else:
+            self.compute += time.perf_counter() - self.started
+        self.started = None
+
+    def timed(self, batches):
+        while True:
+            started = time.perf_counter()
+            item = next(batches)
+            self.data += time.perf_counter() - started
+            yield item
+
+    def reset(self):
+        self.compute, self.data, self.events = 0.0, 0.0, []
+
+    def gather(self, world_size, master):
+        """(compute s, data s) of every rank since the last gather, on rank 0; None on the others."""
+        compute = self.compute + sum(start.elapsed_time(end) / 1e3 for start, end in self.events)
+        local = torch.tensor([compute, self.data])
+        self.reset()
+        if self.cuda:
+            local = local.pin_memory().to(self.device, non_blocking=True)
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local)
+        return torch.stack(gathered).tolist() if master else None
+
+
+def find_stragglers(names, timings, margin=STRAGGLER_MARGIN):
+    """The medians, and the ranks more than margin above the median compute or data-wait time, as
+    {name: {figure: seconds}}. names: host:local_rank per rank; timings: (compute s, data s) per rank. The
+    excess must also be margin of the median compute and data time together: a data wait of microseconds
+    twice the median is noise."""
+    medians = dict(zip(("compute_s", "data_wait_s"), (statistics.median(column) for column in zip(*timings))))
+    floor = margin * sum(medians.values())
+    named = {}
+    for name, values in zip(names, timings):
+        slow = {key: value for (key, median), value in zip(medians.items(), values)
+                if value > (1 + margin) * median and value - median > floor}
+        if slow:
+            named[name] = slow
+    return medians, named
+
+
+class Stragglers:
+    """Rank 0's view of the stragglers, window after window."""
+
+    def __init__(self, names):
+        self.names, self.streaks = names, {}
+
+    def window(self, timings, steps):
+        """The record's fields for one log window of steps timed steps (seconds per step); warns of a rank
+        named STRAGGLER_WINDOWS windows in a row."""
+        if not steps:
+            return {}
+        medians, named = find_stragglers(self.names, [[value / steps for value in rank] for rank in timings])
+        self.streaks = {name: self.streaks.get(name, 0) + 1 for name in named}
+        for name, streak in self.streaks.items():
+            if streak == STRAGGLER_WINDOWS:
+                host = name.rpartition(":")[0]
+                print(f"warning: {name} has been a straggler for {streak} log windows in a row "
+                      f"({describe_straggler(named[name], medians)}); if its node stays slow, stop the job "
+                      f"and resubmit without it: sbatch --exclude={host} slurm_submit.sh ...", flush=True)
+        return {**medians, "stragglers": named}
+
+
+def describe_straggler(figures, medians):
+    """figures and medians: seconds per step by compute_s and data_wait_s."""
+    return ", ".join(f"{key[:-2].replace('_', ' ')} {value:.3f} s/step vs median {medians[key]:.3f}"
+                     for key, value in figures.items())
+
+
+class StepProfiler:
+    """--profile_steps=A,B: torch.profiler over steps A to B (as logged) of rank 0, written as a Chrome trace
+    that Perfetto and TensorBoard's profiler open; on GPU a CUDA memory snapshot beside it."""
+
+    def __init__(self, steps, folder, device, master):
+        self.steps, self.folder, self.cuda = steps if master else None, folder, device.type == "cuda"
+        self.profiler = None
+
+    @contextlib.contextmanager
+    def step(self, number):
+        if self.steps is None or not self.steps[0] <= number <= self.steps[1]:
+            yield
+            return
+        if number == self.steps[0]:
+            kinds = torch.profiler.ProfilerActivity
+            activities = [kinds.CPU, kinds.CUDA] if self.cuda else [kinds.CPU]
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=True)
+            self.profiler.start()
+            if self.cuda:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+        with torch.profiler.record_function(f"train step {number}"):
+            yield
+        if number == self.steps[1]:
+            self.profiler.stop()
+            first, last = self.steps
+            # .pt.trace.json: the name TensorBoard's profiler plugin looks for
+            name = f"trace_steps_{first}-{last}_{socket.gethostname()}_rank0.pt.trace.json"
+            trace = os.path.join(self.folder, name)
+            self.profiler.export_chrome_trace(trace)
+            print(f"profile: steps {first} to {last} traced in {trace}", flush=True)
+            if self.cuda:
+                snapshot = os.path.join(self.folder, f"memory_steps_{first}-{last}_rank0.pickle")
+                torch.cuda.memory._dump_snapshot(snapshot)
+                torch.cuda.memory._record_memory_history(enabled=None)
+                print(f"profile: CUDA memory snapshot in {snapshot}", flush=True)
 
 
 def check_compiler(device):
@@ -1400,6 +1679,8 @@ def main(argv):
             pass
     except OSError as error:
         fail(f"--checkpoint_dir={cfg.checkpoint_dir} is not writable ({error.strerror}); point it at a writable shared folder")
+    log_folder = os.path.join(cfg.log_dir, cfg.run_name)  # stacks, flight-recorder dumps, profiler traces
+    os.makedirs(log_folder, exist_ok=True)
     start_time = time.perf_counter()
     if "RANK" not in os.environ:  # a plain `python train.py`: a process group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -1410,6 +1691,7 @@ def main(argv):
         # FSDP's all-gather buffers come and go (torchtitan's launcher sets it too). A user's setting wins.
         if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
             os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+        flight_recorder_env(os.environ, log_folder)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -1427,7 +1709,8 @@ def main(argv):
     # Offloaded gradients are CPU tensors: their norm needs a CPU backend beside NCCL.
     backend = ("cuda:nccl,cpu:gloo" if cfg.cpu_offload else "nccl") if device.type == "cuda" else "gloo"
     # device_id binds NCCL's communicator to this GPU at once, instead of guessing it at the first collective.
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=30),
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=PG_TIMEOUT_FIRST_STEP,
                             device_id=device if device.type == "cuda" else None)
     try:
         mesh = device_mesh(cfg, device.type, world_size, local_world_size)
@@ -1481,9 +1764,21 @@ def main(argv):
     model.train()
     window = new_window(device)
     bad_steps, stopped = 0, False
+    watchdog = Watchdog(cfg, log_folder, rank, device)
+    rank_times = RankTimes(model, device)
+    profiler = StepProfiler(profiled_steps(cfg.profile_steps), log_folder, device, master)
+    names = [None] * world_size
+    dist.all_gather_object(names, f"{socket.gethostname()}:{local_rank}")
+    stragglers, timed_batches = Stragglers(names), rank_times.timed(batches)
     for step in range(start_step, total_steps):
         step_start = time.perf_counter()
-        loss, grad_norm, stop = train_step(model, batches, optimizer, accumulation, cfg.grad_clip, stop_requests)
+        with profiler.step(step + 1):
+            loss, grad_norm, stop = train_step(model, timed_batches, optimizer, accumulation, cfg.grad_clip,
+                                               stop_requests)
+        watchdog.step_done(timed=step > start_step)
+        if step == start_step:
+            set_pg_timeouts(PG_TIMEOUT, mesh)
+            rank_times.reset()  # the first step compiles, as for the window's speed
         if step > start_step:  # the first step compiles: timing it would understate every later one
             window.update(seconds=window["seconds"] + time.perf_counter() - step_start, timed=window["timed"] + 1)
         window.update(loss=window["loss"] + loss, steps=window["steps"] + 1)
@@ -1504,24 +1799,33 @@ def main(argv):
         if step == start_step and master:
             print(f"time to first step: {time.perf_counter() - start_time:.1f} s", flush=True)
         evaluating = validation_batches and cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == total_steps)
-        val_loss = evaluate(model, validation_batches(), cfg.eval_batches, world_size) if evaluating else None
+        val_loss = None
+        if evaluating:
+            with watchdog.phase("evaluating", cfg.eval_limit_s):
+                val_loss = evaluate(model, validation_batches(), cfg.eval_batches, world_size)
         if (step + 1) % cfg.log_every == 0 or step + 1 == total_steps or evaluating:
             dist.all_reduce(window["loss"])  # gloo has no AVG: sum, then divide
+            timings = rank_times.gather(world_size, master)
             if master:
                 record = window_record(window, step + 1, lr_now, grad_norm, tokens_per_step,
                                        cfg.global_batch_size, flops_token, peak, world_size, device, val_loss)
+                record.update(stragglers.window(timings, window["timed"]))
                 log_step(record, metrics_file, writer)
             window = new_window(device)
         stopped = stop and step + 1 < total_steps  # a signal at the last step changes nothing
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps or stopped:
             trainer_state = {"step": step + 1, "tokens_seen": tokens_seen, "config": vars(cfg),
                              "shape": {name: getattr(shape, name) for name in SHAPE_NAMES}}
-            checkpointer.save(step + 1, model, optimizer, scheduler, batches, trainer_state)
+            with watchdog.phase("writing a checkpoint", cfg.checkpoint_limit_s), generous_pg_timeouts(mesh):
+                checkpointer.save(step + 1, model, optimizer, scheduler, batches, trainer_state)
         if stopped:
             break
-    checkpointer.finish()
-    if not stopped:
-        export_pretrained(model, config, tokenizer, os.path.join(checkpointer.run_dir, "final_model"), rank)
+    last_writes = watchdog.phase("writing the last checkpoint and model", cfg.checkpoint_limit_s)
+    with last_writes, generous_pg_timeouts(mesh):
+        checkpointer.finish()
+        if not stopped:
+            final_model = os.path.join(checkpointer.run_dir, "final_model")
+            export_pretrained(model, config, tokenizer, final_model, rank)
     if master:
         if stopped:
             print(f"stopped by signal after step {step + 1}; checkpoint saved, relaunch to resume", flush=True)

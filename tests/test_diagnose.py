@@ -1,0 +1,165 @@
+"""When a run misbehaves: the watchdog names a hang, stragglers are named during training, the profiler
+writes a trace; the flight recorder's variables and the process-group timeouts, which need NCCL to act,
+are checked in-process."""
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import train as train_script
+from conftest import REPO, TINY, read_metrics, torchrun_command, worker_pids
+
+HOST = socket.gethostname()
+
+
+def test_ranks_above_the_median_are_named_with_their_figure():
+    names = ["a:0", "a:1", "b:0", "b:1"]
+    medians, named = train_script.find_stragglers(names, [(1.0, 0.01), (1.05, 0.01), (1.3, 0.01), (0.9, 0.4)])
+    assert medians == pytest.approx({"compute_s": 1.025, "data_wait_s": 0.01})
+    assert named == {"b:0": {"compute_s": 1.3}, "b:1": {"data_wait_s": 0.4}}  # a:1 is 2% above: not named
+    # Data waits of microseconds, one of them twice the median: noise, not a straggler.
+    assert train_script.find_stragglers(names, [(1.0, 1e-5), (1.0, 1e-5), (1.0, 3e-5), (1.0, 1e-5)])[1] == {}
+
+
+def test_a_rank_named_three_windows_in_a_row_is_warned_once(capsys):
+    stragglers = train_script.Stragglers(["n1:0", "n2:0"])
+    slow, even = [[10.0, 0.1], [20.0, 0.1]], [[10.0, 0.1], [10.0, 0.1]]
+    for timings in (slow, slow, even, slow, slow):  # an even window breaks the streak
+        record = stragglers.window(timings, steps=10)
+    assert record["stragglers"] == {"n2:0": {"compute_s": 2.0}} and record["compute_s"] == pytest.approx(1.5)
+    assert capsys.readouterr().out == ""
+    stragglers.window(slow, steps=10)
+    stragglers.window(slow, steps=10)
+    warnings = capsys.readouterr().out.splitlines()
+    assert len(warnings) == 1 and "n2:0 has been a straggler for 3 log windows in a row" in warnings[0]
+    assert "sbatch --exclude=n2 slurm_submit.sh" in warnings[0]
+
+
+def test_flight_recorder_is_on_and_users_settings_win(tmp_path):
+    environ = {}
+    train_script.flight_recorder_env(environ, str(tmp_path))
+    assert environ == {"TORCH_FR_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                       "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/flight_recorder/rank_"}
+    assert (tmp_path / "flight_recorder").is_dir()
+    users = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_"}  # the variables' older names
+    environ = dict(users)
+    train_script.flight_recorder_env(environ, str(tmp_path))
+    assert environ == users
+
+
+def test_process_group_timeouts_drop_after_the_first_step():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with tempfile.NamedTemporaryFile() as store_file:
+        dist.init_process_group("gloo", store=dist.FileStore(store_file.name, 1), rank=0, world_size=1,
+                                timeout=train_script.PG_TIMEOUT_FIRST_STEP)
+        try:
+            mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))  # hybrid's two groups
+            groups = [None, mesh.get_group(0), mesh.get_group(1)]
+            timeout = lambda group: (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
+            train_script.set_pg_timeouts(train_script.PG_TIMEOUT, mesh)
+            assert [timeout(g) for g in groups] == [train_script.PG_TIMEOUT] * 3
+            with train_script.generous_pg_timeouts(mesh):  # a checkpoint being written
+                assert [timeout(g) for g in groups] == [train_script.PG_TIMEOUT_FIRST_STEP] * 3
+            assert [timeout(g) for g in groups] == [train_script.PG_TIMEOUT] * 3
+        finally:
+            dist.destroy_process_group()
+    assert train_script.PG_TIMEOUT_FIRST_STEP > train_script.PG_TIMEOUT > timedelta(seconds=train_script.hang_minimum_s)
+
+
+@pytest.mark.parametrize("value", ["5", "8,5", "a,b", "0,3"])
+def test_bad_profile_steps_is_one_line(value, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([f"--profile_steps={value}", "--model=tiny"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (f"error: --profile_steps={value}: expected two step numbers A,B with "
+                                               f"1 <= A <= B, e.g. --profile_steps=5,8")
+
+
+def throttle(pid, stop_event, stopped=0.06, running=0.02):
+    """cpulimit's way of slowing a process: stopped for a share of the time, in slices shorter than one
+    layer's forward."""
+    with contextlib.suppress(ProcessLookupError):  # the run ended
+        while not stop_event.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(running)
+
+
+def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
+    """One 2-process run (each costs tens of seconds on a busy 2-core machine) in two acts.
+    1. From the first step, rank 1 runs a quarter of the time, as on a throttling node (taskset onto a core
+       shared with a busy process is not reliable on a shared 2-core machine: the scheduler moves other
+       work off that core). Every 2-step log window names it, never rank 0; the third in a row warns.
+    2. After step 8 rank 1 is stopped; rank 0 waits in a collective until its watchdog (limit
+       max(6 s, 4 x median step)) writes its stacks and ends the run.
+    Rank 0 also profiles steps 2 and 3."""
+    args = [*TINY, f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", "--run_name=slow", "--max_steps=1000",
+            "--seq_length=64", "--log_every=2", "--checkpoint_every=3", "--hang_minimum_s=6", "--hang_factor=4",
+            "--profile_steps=2,3"]
+    process = subprocess.Popen(torchrun_command("train.py", args, 2), cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    done, output, stopped_at, reported_at = threading.Event(), [], None, None
+    throttler = threading.Thread(target=throttle, args=(None, done))
+    try:
+        for line in process.stdout:
+            output.append(line)
+            if line.startswith("time to first step"):  # not before: start-up would take four times as long
+                rank1 = worker_pids(process.pid)[1]
+                throttler = threading.Thread(target=throttle, args=(rank1, done))
+                throttler.start()
+            if line.startswith("step      8 |"):
+                done.set()
+                throttler.join()
+                os.kill(rank1, signal.SIGSTOP)
+                stopped_at = time.monotonic()
+            if line.startswith("no step for") and reported_at is None:
+                reported_at = time.monotonic()
+                os.kill(rank1, signal.SIGCONT)  # so that torchrun can end it at once
+        process.wait(timeout=60)
+    finally:
+        done.set()
+        process.kill()
+    log = "".join(output)
+    run = tmp_path / "slow"
+
+    # The first window's one timed step, step 2, starts as the throttling does: it may or may not name rank 1.
+    windows = [line for line in output if re.match(r"step +[468] \|", line)]
+    assert len(windows) == 3 and all(f"| straggler {HOST}:1: compute" in line for line in windows), log[-3000:]
+    assert f"{HOST}:0" not in log
+    records = read_metrics(tmp_path)[1:]
+    assert [list(r["stragglers"]) for r in records] == [[f"{HOST}:1"]] * 3
+    assert all(r["stragglers"][f"{HOST}:1"]["compute_s"] > 1.1 * r["compute_s"] for r in records)
+    assert log.count(f"warning: {HOST}:1 has been a straggler for 3 log windows in a row") == 1
+    assert f"sbatch --exclude={HOST} slurm_submit.sh" in log
+
+    stack_file = run / f"stacks_{HOST}_rank0.txt"
+    report = re.search(r"^no step for (\d+) s on (\S+) rank 0; stacks in (\S+) \(limit (\d+) s\)$", log, re.M)
+    assert report and report[2] == HOST and report[3] == str(stack_file), log[-3000:]
+    limit = int(report[4])
+    assert 6 <= limit <= int(report[1]) and reported_at - stopped_at < limit + 5
+    assert process.returncode != 0
+    # The thread running main() waits in a collective.
+    main_thread = next(t for t in stack_file.read_text().split("\n\n") if re.search(r'train\.py", line \d+ in main', t))
+    assert "torch/distributed/" in main_thread and re.search(r"in (all_reduce|all_gather|wait\w*|barrier)", main_thread)
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_3", "step_6"]  # nothing half written
+    assert all((run / name / "trainer_state.json").exists() for name in ("step_3", "step_6"))
+
+    trace_file = run / f"trace_steps_2-3_{HOST}_rank0.pt.trace.json"
+    steps = {e["name"] for e in json.loads(trace_file.read_text())["traceEvents"] if "train step" in e.get("name", "")}
+    assert steps == {"train step 2", "train step 3"}
+    assert f"profile: steps 2 to 3 traced in {trace_file}" in log
