@@ -58,7 +58,7 @@ def run_until(args, tmp, step, signal_number, extra_torchrun=()):
     output = []
     for line in process.stdout:
         output.append(line)
-        if line.startswith(f"step {step:>6} |"):
+        if line.startswith(f"step {step:>6}/"):
             os.kill(worker_pids(process.pid)[1], signal_number)
             break
     output += process.stdout.readlines()
@@ -66,10 +66,17 @@ def run_until(args, tmp, step, signal_number, extra_torchrun=()):
     return process.returncode, "".join(output)
 
 
+def run_folder(log_dir):
+    """The one run folder, <log_dir>/<run_name>, that a test's runs wrote."""
+    folders = [path.parent for path in Path(log_dir).glob("*/metrics.jsonl")]
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
 def read_metrics(log_dir):
-    """The last record of each logged step (a resumed run logs some steps again)."""
+    """The last record of each logged step of the one run in log_dir (a resumed run logs some steps again)."""
     records = {}
-    for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines():
+    for line in (run_folder(log_dir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         records[record["step"]] = record
     return [records[step] for step in sorted(records)]
