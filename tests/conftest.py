@@ -51,10 +51,11 @@ def worker_pids(torchrun_pid):
     return ranks
 
 
-def run_until(args, tmp, step, signal_number, extra_torchrun=()):
+def run_until(args, tmp, step, signal_number, extra_torchrun=(), env=None):
     """Starts a 2-process run and sends signal_number to local rank 1 once `step` is logged."""
     command = torchrun_command("train.py", [f"--log_dir={tmp}", *args], 2, list(extra_torchrun))
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **(env or {})})
     output = []
     for line in process.stdout:
         output.append(line)
