@@ -39,10 +39,11 @@ def parse_args(argv):
         raise train.ConfigError("--init_from is required: an exported folder or a step_N checkpoint folder")
     if not os.path.isfile(os.path.join(cfg.init_from, "config.json")) \
             and not os.path.isfile(os.path.join(cfg.init_from, "trainer_state.json")):
-        raise train.ConfigError(f"--init_from={cfg.init_from} is neither an exported model (config.json) nor a "
-                                f"step_N checkpoint (trainer_state.json)")
+        raise train.ConfigError(f"--init_from={cfg.init_from} is neither an exported model (config.json) "
+                                f"nor a step_N checkpoint (trainer_state.json)")
     if cfg.num_samples <= 0 or cfg.max_new_tokens <= 0 or cfg.temperature < 0 or cfg.top_k <= 0:
-        raise train.ConfigError("--num_samples, --max_new_tokens and --top_k must be positive, --temperature not negative")
+        raise train.ConfigError("--num_samples, --max_new_tokens and --top_k must be positive, "
+                                "--temperature not negative")
     return cfg
 
 
@@ -58,8 +59,8 @@ def generate(cfg, folder):
         try:
             ids = torch.tensor([[int(token) for token in cfg.prompt.split()]])
         except ValueError:
-            raise train.ConfigError(f"{folder} has no tokenizer (dummy data): give --prompt as token ids separated by "
-                                    f"spaces, e.g. --prompt='1 2 3'") from None
+            raise train.ConfigError(f"{folder} has no tokenizer (dummy data): give --prompt as token ids "
+                                    f"separated by spaces, e.g. --prompt='1 2 3'") from None
         if ids.numel() == 0 or ids.max() >= model.config.vocab_size:
             raise train.ConfigError(f"--prompt needs token ids between 0 and {model.config.vocab_size - 1}")
     torch.manual_seed(cfg.seed)
@@ -80,7 +81,7 @@ def main(argv):
             generate(cfg, cfg.init_from)
         else:
             with tempfile.TemporaryDirectory() as scratch:
-                generate(cfg, train.export_checkpoint(os.path.normpath(cfg.init_from), os.path.join(scratch, "model")))
+                generate(cfg, train.export_checkpoint(os.path.normpath(cfg.init_from), f"{scratch}/model"))
     except train.ConfigError as error:
         train.fail(error)
     return 0

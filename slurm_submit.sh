@@ -164,7 +164,8 @@ else
   launch benchmark.py "${bench_args[@]}" || rc=$?
   # benchmark.py names it after the job, or after the time outside SLURM
   report=logs/benchmark_${SLURM_JOB_ID:-}.yaml
-  [ -n "${SLURM_JOB_ID:-}" ] || report=$(ls -t logs/benchmark_*.yaml 2>/dev/null | grep -v _rank | head -1 || true)
+  [ -n "${SLURM_JOB_ID:-}" ] \
+    || report=$(ls -t logs/benchmark_*.yaml 2>/dev/null | grep -v _rank | head -1 || true)
   [ "$BENCHMARK_ONLY" != 1 ] || exit $rc
   if [ $rc -ne 0 ] && [ "$CONTINUE_ON_BENCHMARK_FAILURE" != 1 ]; then
     echo "error: benchmark failed (exit $rc), not training: its failing checks are in the output (the job's .out log)" \

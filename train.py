@@ -52,7 +52,7 @@ batch_size: int = 8                 # sequences per device per micro-step
 seq_length: int | None = None       # tokens per sequence; None: the model's n_positions
 global_batch_size: int = 256        # sequences per optimizer step, whatever the number of processes
 num_epochs: int = 1
-max_steps: int = -1                 # -1: num_epochs passes over the data; a larger one continues a finished run
+max_steps: int = -1                 # -1: num_epochs passes over the data; a larger one continues a run
 tokenizer: str = "gpt2"             # AutoTokenizer name or local folder (real data); the vocabulary follows it
 text_column: str = "text"           # the column of .jsonl/.parquet/hub data holding the text
 val_fraction: float = 0.005         # share of a local corpus held out for validation when it has no validation file
@@ -90,7 +90,7 @@ log_dir: str = "logs"
 tensorboard: bool = True            # <log_dir>/<run_name>/tensorboard
 wandb: str | None = None            # a W&B project to log to as well (pip install wandb); None: off
 plot: str | None = None             # a run folder (<log_dir>/<run_name>): write its curves.png, then exit
-export_from: str | None = None      # a step_N checkpoint: write it as a save_pretrained folder beside it, then exit
+export_from: str | None = None      # a step_N checkpoint: write the export_step_N folder beside it, then exit
 dry_run: bool = False               # simulate training steps on fake tensors: peak memory per GPU, FLOPs; no training
 world_size: int | None = None       # dry run: the world size simulated; None: $WORLD_SIZE, else 8
 gpus_per_node: int = 8              # dry run: GPUs per node, for --sharding=hybrid
@@ -346,7 +346,8 @@ def use_cache_if_hub_unreachable(cfg):
     except (OSError, ValueError) as error:
         os.environ["HF_HUB_OFFLINE"] = "1"
         if int(os.environ.get("RANK", 0)) == 0:
-                print(f"{endpoint} is unreachable ({getattr(error, 'reason', error)}): using cached files only", flush=True)
+            reason = getattr(error, "reason", error)
+            print(f"{endpoint} is unreachable ({reason}): using cached files only", flush=True)
 
 
 def load_tokenizer(cfg, shape):
@@ -1273,7 +1274,7 @@ def export_checkpoint(path, destination):
     import torch.distributed.checkpoint as dcp
 
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
-        raise ConfigError(f"--export_from={path} is not a complete checkpoint folder (no trainer_state.json); "
+        raise ConfigError(f"--export_from={path} is not a complete checkpoint (no trainer_state.json); "
                           f"give a step_N folder of <checkpoint_dir>/<run_name>")
     with open(os.path.join(path, "trainer_state.json")) as file:
         trainer_state = json.load(file)
@@ -1319,10 +1320,11 @@ def check_trackers(cfg):
     import importlib.util
 
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("--tensorboard=True needs the tensorboard package: pip install -r requirements.txt, "
-                          "or pass --tensorboard=False")
+        raise ConfigError("--tensorboard=True needs the tensorboard package: pip install -r "
+                          "requirements.txt, or pass --tensorboard=False")
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"--wandb={cfg.wandb} needs the wandb package: pip install wandb, or leave --wandb unset")
+        raise ConfigError(f"--wandb={cfg.wandb} needs the wandb package: pip install wandb, "
+                          f"or leave --wandb unset")
 
 
 class RunLog:
@@ -1340,8 +1342,11 @@ class RunLog:
         if cfg.wandb:
             import wandb as wandb_module  # the constant wandb is the project's name
 
-            self.wandb = wandb_module.init(project=cfg.wandb, id=cfg.run_name, name=cfg.run_name, resume="allow",
-                                           config=vars(cfg), dir=folder)
+            try:
+                self.wandb = wandb_module.init(project=cfg.wandb, id=cfg.run_name, name=cfg.run_name,
+                                               resume="allow", config=vars(cfg), dir=folder)
+            except wandb_module.errors.Error as error:  # no API key, W&B unreachable
+                fail(f"--wandb={cfg.wandb}: {str(error).splitlines()[0]}; or set WANDB_MODE=offline")
 
     def write(self, record):
         self.metrics.write(json.dumps(record) + "\n")
@@ -1387,8 +1392,9 @@ def read_records(folder):
     records = {}
     with open(os.path.join(folder, "metrics.jsonl")) as file:
         for line in file:
-            record = json.loads(line)
-            records[record["step"]] = record
+            if line.endswith("\n"):  # a line being written as --plot reads is left for the next plot
+                record = json.loads(line)
+                records[record["step"]] = record
     return [records[step] for step in sorted(records)]
 
 
@@ -1413,8 +1419,8 @@ def plot_curves(folder):
         for key, label in keys:
             steps, values = series(key)
             if steps:
-                axis.plot(steps, values, label=label, marker="o" if len(steps) < 30 or key == "val_loss" else None,
-                          markersize=3)
+                few = len(steps) < 30 or key == "val_loss"
+                axis.plot(steps, values, label=label, marker="o" if few else None, markersize=3)
         if not axis.lines:
             axis.text(0.5, 0.5, "not measured (MFU needs a GPU of the datasheet)" if title == "MFU" else
                       "not measured", ha="center", va="center", transform=axis.transAxes, color="gray")
@@ -1436,7 +1442,9 @@ def plot_curves(folder):
 
 
 def duration(seconds):
-    return "-" if seconds is None else f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
+    if seconds is None:
+        return "-"
+    return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
 
 
 def new_window(device):
@@ -1489,10 +1497,13 @@ def check_compiler(device):
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Signals this soon after the first are the same stop: torchrun forwards to its workers the SIGTERM or
+# SIGINT that SLURM (scancel, preemption) or the terminal (Ctrl-C) has already sent each of them.
+SAME_STOP_SECONDS = 2.0
 
 
 class StopSignals:
-    """SLURM sends SIGUSR1 (--signal) before the time limit and SIGTERM on preemption; a person presses Ctrl-C.
+    """SLURM sends SIGUSR1 (--signal) before the time limit, SIGTERM on preemption; a person types Ctrl-C.
     During training the first asks for a checkpoint at the end of the current step (requests is summed over
     the ranks, so all stop at the same step); a second exits at once with 128 + its number, writing nothing,
     so the last complete checkpoint stays as it was. Before training (data, model, loading) the first exits
@@ -1501,7 +1512,7 @@ class StopSignals:
     thread waits inside a step or a collective, where a Python handler would only run once it returns."""
 
     def __init__(self):
-        self.requests, self.training = [], False
+        self.requests, self.training, self.first = [], False, 0.0
         read_end, write_end = os.pipe()
         os.set_blocking(write_end, False)
         signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
@@ -1525,11 +1536,15 @@ class StopSignals:
             name = signal.Signals(number).name
             if self.training and not self.requests:
                 self.requests.append(number)
-                print(f"{name}: checkpointing at the end of this step (a second signal exits at once)", flush=True)
+                self.first = time.monotonic()
+                print(f"{name}: checkpointing at the end of this step (a second signal exits at once)",
+                      flush=True)
+                continue
+            if self.training and time.monotonic() - self.first < SAME_STOP_SECONDS:
                 continue
             why = "a second stop signal" if self.training else "before training started"
-            print(f"{name}, {why}: exiting at once with status {128 + number}, writing nothing", file=sys.stderr,
-                  flush=True)
+            print(f"{name}, {why}: exiting at once with status {128 + number}, writing nothing",
+                  file=sys.stderr, flush=True)
             os._exit(128 + number)
 
 
@@ -1547,14 +1562,17 @@ def main(argv):
     try:
         cfg = parse_args(argv)
         if cfg.plot:
-            if not os.path.isfile(os.path.join(cfg.plot, "metrics.jsonl")) or not (path := plot_curves(cfg.plot)):
-                raise ConfigError(f"--plot={cfg.plot} holds no logged steps; give a run folder, <log_dir>/<run_name>")
-            print(f"curves: {path}")
+            logged = os.path.isfile(os.path.join(cfg.plot, "metrics.jsonl"))
+            if not logged or not (curves := plot_curves(cfg.plot)):
+                raise ConfigError(f"--plot={cfg.plot} holds no logged steps; "
+                                  f"give a run folder, <log_dir>/<run_name>")
+            print(f"curves: {curves}")
             return 0
         use_cache_if_hub_unreachable(cfg)
         if cfg.export_from:
             checkpoint = os.path.normpath(cfg.export_from)
-            export_checkpoint(checkpoint, os.path.join(os.path.dirname(checkpoint), f"export_{os.path.basename(checkpoint)}"))
+            export = os.path.join(os.path.dirname(checkpoint), f"export_{os.path.basename(checkpoint)}")
+            export_checkpoint(checkpoint, export)
             return 0
         shape = resolve_shape(cfg)
         source = parse_source(cfg)
@@ -1587,14 +1605,16 @@ def main(argv):
     check_machine_holds(cfg, n_params, world_size, local_world_size)
 
     signals = StopSignals()
-    run_dir, log_run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name), os.path.join(cfg.log_dir, cfg.run_name)
+    run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name)
+    log_run_dir = os.path.join(cfg.log_dir, cfg.run_name)  # the run's folder: logs, config, curves
     for option, folder in (("checkpoint_dir", run_dir), ("log_dir", log_run_dir)):
         try:  # before any process group or model: a folder we cannot write to would fail the first save
             os.makedirs(folder, exist_ok=True)
             with tempfile.TemporaryFile(dir=folder):
                 pass
         except OSError as error:
-            fail(f"--{option}={getattr(cfg, option)} is not writable ({error.strerror}); point it at a writable shared folder")
+            fail(f"--{option}={getattr(cfg, option)} is not writable ({error.strerror}); "
+                 f"point it at a writable shared folder")
     start_time = time.perf_counter()
     if "RANK" not in os.environ:  # a plain `python train.py`: a process group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -1641,8 +1661,9 @@ def main(argv):
     if not cfg.resume_from and newest and os.path.isdir(os.path.join(run_dir, "final_model")) \
             and int(newest.rsplit("_", 1)[1]) >= total_steps:
         if master:
-            print(f"run {cfg.run_name} already finished at step {newest.rsplit('_', 1)[1]} ({newest}); nothing to do. "
-                  f"Pass --run_name=NEW for a new run, or a larger --max_steps to train on.", flush=True)
+            print(f"run {cfg.run_name} already finished at step {newest.rsplit('_', 1)[1]} ({newest}); "
+                  f"nothing to do. Pass --run_name=NEW for a new run, or a larger --max_steps to train on.",
+                  flush=True)
         dist.destroy_process_group()
         return 0
     if master:
@@ -1681,8 +1702,9 @@ def main(argv):
     bad_steps, stopped = 0, False
     for step in range(start_step, total_steps):
         step_start = time.perf_counter()
-        loss, grad_norm, stop = train_step(model, batches, optimizer, accumulation, cfg.grad_clip, len(signals.requests))
-        if step == start_step:  # the ETA counts from here: evaluations and checkpoints included, compiling not
+        stopping = len(signals.requests)
+        loss, grad_norm, stop = train_step(model, batches, optimizer, accumulation, cfg.grad_clip, stopping)
+        if step == start_step:  # the ETA counts from here: evaluation and checkpoints in, compiling out
             first_step_end = time.perf_counter()
         else:  # the first step compiles: timing it would understate every later one
             window.update(seconds=window["seconds"] + time.perf_counter() - step_start, timed=window["timed"] + 1)

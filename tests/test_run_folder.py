@@ -1,4 +1,4 @@
-"""Living with a run: its folder, trackers, curves, relaunches, export and sampling, signals, an offline hub."""
+"""Living with a run: its folder, trackers, curves, relaunches, export and sampling, signals, offline hubs."""
 import os
 import re
 import signal
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import train as train_script
 from conftest import REPO, TINY, launch, read_metrics, run_until, torchrun_command, worker_pids
 
 RUN = [*TINY, "--max_steps=6", "--run_name=life", "--checkpoint_every=100"]
@@ -37,7 +38,8 @@ def wandb_records(path):
 
 def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_path):
     pytest.importorskip("wandb")
-    env = {"WANDB_MODE": "offline", "BENCHMARK_REPORT": str(tmp_path / "benchmark_7.yaml"), "SLURM_JOB_ID": "7"}
+    report = tmp_path / "benchmark_7.yaml"
+    env = {"WANDB_MODE": "offline", "BENCHMARK_REPORT": str(report), "SLURM_JOB_ID": "7"}
     common = [f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ckpt'}", "--wandb=fsdp-test"]
     code, output = run_until([*common, *RUN], tmp_path / "logs", 1, signal.SIGTERM, env=env)
     assert code != 0 and "stopped by signal after step" in output, output[-3000:]
@@ -45,12 +47,13 @@ def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_pa
     # One process where two started: the run name leaves the world size out, so it resumes the same run.
     resumed = launch("train.py", [*common, *RUN], nproc=0, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert re.search(r"^step +5/6 \| loss .* \| elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$", resumed.stdout, re.M)
+    eta = r"^step +5/6 \| loss .* \| elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$"
+    assert re.search(eta, resumed.stdout, re.M), resumed.stdout
     folder = tmp_path / "logs" / "life"
     assert [r["step"] for r in read_metrics(tmp_path / "logs")] == [1, 2, 3, 4, 5, 6]
     assert list((folder / "tensorboard").glob("events.out.tfevents.*"))
     assert (folder / "curves.png").read_bytes()[:4] == b"\x89PNG"
-    assert (folder / "benchmark_reports.txt").read_text() == f"7: {tmp_path / 'benchmark_7.yaml'}\n"
+    assert (folder / "benchmark_reports.txt").read_text() == f"7: {report}\n"
     assert not list(folder.glob("*.tmp*"))
     # Both parts went to the W&B run whose id is the run name, with the config: each launch writes its
     # offline folder, and `wandb sync` puts them together.
@@ -72,7 +75,8 @@ def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_pa
         f"run life already finished at step 6 ({tmp_path / 'ckpt' / 'life' / 'step_6'}); nothing to do. "
         "Pass --run_name=NEW for a new run, or a larger --max_steps to train on.")
     assert "model exported" not in replay.stdout
-    longer = launch("train.py", [f"--config={folder / 'config.yaml'}", "--max_steps=8", "--wandb=none"], nproc=0)
+    longer = launch("train.py", [f"--config={folder / 'config.yaml'}", "--max_steps=8", "--wandb=none"],
+                    nproc=0)
     assert longer.returncode == 0 and "resumed from" in longer.stdout, longer.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "logs")] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert "max_steps: 8" in (folder / "config.yaml").read_text()
@@ -84,11 +88,10 @@ def test_export_from_any_step_and_sample(tmp_path, capsys, model, ckpt_format):
     from transformers import AutoModelForCausalLM
 
     import sample
-    import train as train_script
 
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, f"--model={model}",
-                                 "--max_steps=2", "--run_name=run", f"--ckpt_format={ckpt_format}",
-                                 "--tensorboard=False"], nproc=0)
+    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY,
+                                 f"--model={model}", "--max_steps=2", "--run_name=run",
+                                 f"--ckpt_format={ckpt_format}", "--tensorboard=False"], nproc=0)
     assert result.returncode == 0, result.stderr[-3000:]
     assert train_script.main([f"--export_from={tmp_path / 'run' / 'step_2'}"]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export_step_2")
@@ -136,7 +139,7 @@ def test_a_stop_signal_exits_at_once_when_it_cannot_checkpoint(tmp_path, when):
         wait_for_catching(ranks[1], signal.SIGTERM)
         os.kill(ranks[1], signal.SIGTERM)
         if when == "inside a step":
-            time.sleep(1)
+            time.sleep(train_script.SAME_STOP_SECONDS + 1)  # sooner, it would count as the same stop
             os.kill(ranks[1], signal.SIGTERM)
         started = time.monotonic()
         while Path(f"/proc/{ranks[1]}").exists() and time.monotonic() - started < 60:
@@ -160,8 +163,9 @@ def test_an_unreachable_hub_fails_in_seconds(tmp_path, offline):
     """No hub here: whether HF_HUB_OFFLINE says so or a first request finds out, no retries."""
     env = {"HF_HUB_OFFLINE": offline, "HF_HOME": str(tmp_path / "hf")}
     started = time.monotonic()
-    result = launch("train.py", ["--data=wikitext", "--prepare_only", f"--data_cache={tmp_path}"], nproc=0, env=env,
-                    cwd=tmp_path)
+    result = launch("train.py", ["--data=wikitext", "--prepare_only", f"--data_cache={tmp_path}"], nproc=0,
+                    env=env, cwd=tmp_path)
     assert result.returncode == 2
-    assert "Retry" not in result.stderr and "cannot load tokenizer 'gpt2'" in result.stderr, result.stderr[-2000:]
+    assert "Retry" not in result.stderr, result.stderr[-2000:]
+    assert "cannot load tokenizer 'gpt2'" in result.stderr, result.stderr[-2000:]
     assert time.monotonic() - started < 30

@@ -79,7 +79,8 @@ def log(tmp, job_id):
 
 
 def metrics(log_dir):
-    return [json.loads(line) for path in log_dir.glob("*/metrics.jsonl") for line in path.read_text().splitlines()]
+    """The records of the run folder, <log_dir>/<run_name>/metrics.jsonl."""
+    return [json.loads(line) for path in log_dir.glob("*/metrics.jsonl") for line in path.open()]
 
 
 def test_benchmark_only_two_nodes(cluster, tmp_path):
