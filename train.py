@@ -1581,7 +1581,7 @@ def main(argv):
             raise ConfigError("--world_size is for --dry_run; a training run takes its world size from torchrun")
         world_size = cfg.world_size or int(os.environ.get("WORLD_SIZE", 8 if cfg.dry_run else 1))
         check_config(cfg, shape, world_size)
-        if not cfg.dry_run:
+        if not cfg.dry_run and not cfg.prepare_only:
             check_trackers(cfg)
     except ConfigError as error:
         fail(error)

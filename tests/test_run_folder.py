@@ -53,6 +53,9 @@ def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_pa
     assert [r["step"] for r in read_metrics(tmp_path / "logs")] == [1, 2, 3, 4, 5, 6]
     assert list((folder / "tensorboard").glob("events.out.tfevents.*"))
     assert (folder / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    (folder / "curves.png").unlink()
+    assert train_script.main([f"--plot={folder}"]) == 0  # at any time, from the run's folder alone
+    assert (folder / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert (folder / "benchmark_reports.txt").read_text() == f"7: {report}\n"
     assert not list(folder.glob("*.tmp*"))
     # Both parts went to the W&B run whose id is the run name, with the config: each launch writes its
