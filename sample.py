@@ -15,7 +15,7 @@ import torch
 
 import train
 
-# --------------------------------------------------------------------------------------------
+# Options, each overridden as --name=value
 init_from: str = ""                 # an exported folder (final_model, export_step_N) or a step_N checkpoint
 prompt: str = "\n"                  # text; token ids separated by spaces for a model without a tokenizer
 num_samples: int = 3
@@ -75,6 +75,11 @@ def generate(cfg, folder):
 
 
 def main(argv):
+    if {"-h", "--help"} & set(argv):  # the help is the docstring and the options block, with its comments
+        source = open(__file__).read()
+        options = source[source.index("init_from: str"):source.index("\n\n\ndef")]
+        print(f"{__doc__}\nOptions (--name=value):\n{options}")
+        return 0
     try:
         cfg = parse_args(argv)
         if os.path.isfile(os.path.join(cfg.init_from, "config.json")):
