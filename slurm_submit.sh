@@ -152,14 +152,20 @@ requeue() {  # $1: the exit status to report when no requeue is left
   exit 0
 }
 
+report=""
 if [ "$restarts" -gt 0 ]; then
   echo "requeued run: skipping the benchmarks (they passed in the first run)"
+  report=logs/benchmark_$SLURM_JOB_ID.yaml
 elif [ "$SKIP_BENCHMARK" = 1 ]; then
   echo "SKIP_BENCHMARK=1: skipping the benchmarks"
 else
   echo "$(date +%T) phase 1: benchmark.py ${bench_args[*]}"
   rc=0
   launch benchmark.py "${bench_args[@]}" || rc=$?
+  # benchmark.py names it after the job, or after the time outside SLURM
+  report=logs/benchmark_${SLURM_JOB_ID:-}.yaml
+  [ -n "${SLURM_JOB_ID:-}" ] \
+    || report=$(ls -t logs/benchmark_*.yaml 2>/dev/null | grep -v _rank | head -1 || true)
   [ "$BENCHMARK_ONLY" != 1 ] || exit $rc
   if [ $rc -ne 0 ] && [ "$CONTINUE_ON_BENCHMARK_FAILURE" != 1 ]; then
     echo "error: benchmark failed (exit $rc), not training: its failing checks are in the output (the job's .out log)" \
@@ -171,6 +177,8 @@ else
   [ -z "$stop" ] || requeue 1
 fi
 
+# train.py points to this job's report from the run's folder, logs/<run_name>/benchmark_reports.txt
+if [ -f "$report" ]; then export BENCHMARK_REPORT=$report; fi
 echo "$(date +%T) phase 2: train.py ${train_args[*]}"
 rc=0
 launch train.py "${train_args[@]}" || rc=$?

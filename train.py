@@ -31,6 +31,7 @@ import tempfile
 import threading
 import time
 import types
+import warnings
 from datetime import timedelta
 
 import numpy as np
@@ -55,7 +56,7 @@ batch_size: int = 8                 # sequences per device per micro-step
 seq_length: int | None = None       # tokens per sequence; None: the model's n_positions
 global_batch_size: int = 256        # sequences per optimizer step, whatever the number of processes
 num_epochs: int = 1
-max_steps: int = -1                 # -1: num_epochs passes over the data
+max_steps: int = -1                 # -1: num_epochs passes over the data; a larger one continues a run
 tokenizer: str = "gpt2"             # AutoTokenizer name or local folder (real data); the vocabulary follows it
 text_column: str = "text"           # the column of .jsonl/.parquet/hub data holding the text
 val_fraction: float = 0.005         # share of a local corpus held out for validation when it has no validation file
@@ -90,7 +91,10 @@ max_bad_steps: int = 5              # stop after this many non-finite steps in a
 # Logging
 log_every: int = 10
 log_dir: str = "logs"
-tensorboard: bool = True            # used when the tensorboard package is installed
+tensorboard: bool = True            # <log_dir>/<run_name>/tensorboard
+wandb: str | None = None            # a W&B project to log to as well (pip install wandb); None: off
+plot: str | None = None             # a run folder (<log_dir>/<run_name>): write its curves.png, then exit
+export_from: str | None = None      # a step_N checkpoint: write the export_step_N folder beside it, then exit
 dry_run: bool = False               # simulate training steps on fake tensors: peak memory per GPU, FLOPs; no training
 world_size: int | None = None       # dry run: the world size simulated; None: $WORLD_SIZE, else 8
 gpus_per_node: int = 8              # dry run: GPUs per node, for --sharding=hybrid
@@ -104,11 +108,13 @@ profile_steps: str | None = None    # A,B: torch.profiler traces steps A to B (a
 
 CHOICES = {"sharding": ("full", "grad_op", "hybrid", "ddp"), "ckpt_format": ("sharded", "full"),
            "activation_checkpointing": ("none", "full", "op", "selective"), "mixed_precision": ("auto", "bf16", "fp32")}
-# Options that change how a run is operated but not what it computes: left out of the default run_name.
+# Options that change how a run is operated but not what it computes: left out of the default run_name. The
+# run's length is among them, so that a larger max_steps continues the same run.
 OPERATIONAL = {"run_name", "checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume_from",
                "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
                "prepare_only", "eval_every", "eval_batches", "world_size", "gpus_per_node", "gpu",
-               "hang_minimum_s", "hang_factor", "checkpoint_limit_s", "eval_limit_s", "profile_steps"}
+               "hang_minimum_s", "hang_factor", "checkpoint_limit_s", "eval_limit_s", "profile_steps",
+               "max_steps", "num_epochs", "wandb", "plot", "export_from"}
 STOPPED_BY_SIGNAL = 75              # exit status after a signal-triggered checkpoint: the launcher requeues
 HUNG = 3                            # exit status of a rank its watchdog ended
 # Process-group timeouts, as torchtitan's set_pg_timeouts: generous until the first step is done (compiling,
@@ -350,6 +356,33 @@ def parse_source(cfg):
     if source[0] == "stream" and cfg.max_steps == -1:
         raise ConfigError(f"--data={cfg.data} is streamed and has no known length: set --max_steps")
     return source
+
+
+def hub_needed(cfg):
+    """Whether the data, tokenizer or init_from model may have to come from the Hugging Face hub."""
+    tokenizer_from_hub = cfg.data != "dummy" and not os.path.isdir(cfg.tokenizer)
+    hub_data = cfg.data in HUB_SOURCES or cfg.data.startswith("hf:")
+    return tokenizer_from_hub or hub_data or bool(cfg.init_from) and not os.path.isdir(cfg.init_from)
+
+
+def use_cache_if_hub_unreachable(cfg):
+    """One quick request to the hub; when it fails, offline mode: only cached files are used, and what is
+    missing fails at once instead of after huggingface_hub's retries (a minute for a tokenizer). Before any
+    Hugging Face library is imported: they read HF_HUB_OFFLINE once, at import."""
+    import urllib.request
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or not hub_needed(cfg):
+        return
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=5).close()
+    except urllib.error.HTTPError:
+        pass  # reachable
+    except (OSError, ValueError) as error:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        if int(os.environ.get("RANK", 0)) == 0:
+            reason = getattr(error, "reason", error)
+            print(f"{endpoint} is unreachable ({reason}): using cached files only", flush=True)
 
 
 def load_tokenizer(cfg, shape):
@@ -1298,21 +1331,64 @@ def restore_rng_states(states):
         torch.cuda.set_rng_state(states["cuda"])
 
 
+def save_export(model, tokenizer, path):
+    """A transformers folder (safetensors, config and the tokenizer of real data) that from_pretrained(path)
+    loads with no code from this repo; written beside path and renamed once complete."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    model.tie_weights()
+    model.save_pretrained(temporary)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(temporary)
+    shutil.rmtree(path, ignore_errors=True)
+    os.rename(temporary, path)
+    print(f"model exported: {path}", flush=True)
+
+
 def export_pretrained(model, config, tokenizer, path, rank):
-    """The final weights as a transformers folder (safetensors, config and the tokenizer of real data):
-    from_pretrained(path) loads it with no code from this repo."""
+    """The final weights of the training model, gathered on rank 0, as a transformers folder."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         plain = build_meta_model(config)
         plain.load_state_dict(state, assign=True)
-        plain.tie_weights()
-        plain.save_pretrained(path)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(path)
-        print(f"model exported: {path}", flush=True)
+        save_export(plain, tokenizer, path)
     dist.barrier()
+
+
+def export_checkpoint(path, destination):
+    """Any step_N checkpoint, of either format, as a transformers folder: one process, no GPU, no process
+    group. The model is rebuilt from the config and shape the checkpoint records."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        raise ConfigError(f"--export_from={path} is not a complete checkpoint (no trainer_state.json); "
+                          f"give a step_N folder of <checkpoint_dir>/<run_name>")
+    with open(os.path.join(path, "trainer_state.json")) as file:
+        trainer_state = json.load(file)
+    hints = {k: v for k, v in __annotations__.items() if not k.isupper()}
+    cfg = types.SimpleNamespace(**{name: globals()[name] for name in hints})
+    vars(cfg).update({k: v for k, v in trainer_state["config"].items() if k in hints})
+    shape = resolve_shape(cfg)
+    vars(shape).update(trainer_state["shape"])
+    tokenizer = load_tokenizer(cfg, types.SimpleNamespace(vocab_size=None))
+    config = model_config(shape)
+    if tokenizer is not None:
+        config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
+    model = build_meta_model(config)
+    full_file = os.path.join(path, "state_dict.pt")
+    if os.path.exists(full_file):
+        state = torch.load(full_file, weights_only=True, mmap=True)["model"]
+    else:
+        model.to_empty(device="cpu")
+        state = model.state_dict()
+        with warnings.catch_warnings():  # one process, on purpose
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
+    model.load_state_dict(state, assign=True)
+    save_export(model, tokenizer, destination)
+    return destination
 
 
 # --------------------------------------------------------------------------------------------
@@ -1328,14 +1404,136 @@ def peak_flops(device):
     return sheet["bf16"] * 1e12 if sheet and sheet.get("bf16") else None
 
 
-def open_tensorboard(cfg):
-    if not cfg.tensorboard:
+def check_trackers(cfg):
+    """The trackers asked for must be importable: found out before any data or model."""
+    import importlib.util
+
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("--tensorboard=True needs the tensorboard package: pip install -r "
+                          "requirements.txt, or pass --tensorboard=False")
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"--wandb={cfg.wandb} needs the wandb package: pip install wandb, "
+                          f"or leave --wandb unset")
+
+
+class RunLog:
+    """Rank 0's records of a run in its folder <log_dir>/<run_name>: metrics.jsonl (appended to by every
+    launch of the run), TensorBoard, and W&B when --wandb names a project. The W&B run's id is the run
+    name, so a requeued or relaunched job continues the same W&B run."""
+
+    def __init__(self, cfg, folder):
+        self.metrics = open(os.path.join(folder, "metrics.jsonl"), "a")
+        self.writer = self.wandb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(folder, "tensorboard"))
+        if cfg.wandb:
+            import wandb as wandb_module  # the constant wandb is the project's name
+
+            try:
+                self.wandb = wandb_module.init(project=cfg.wandb, id=cfg.run_name, name=cfg.run_name,
+                                               resume="allow", config=vars(cfg), dir=folder)
+            except wandb_module.errors.Error as error:  # no API key, W&B unreachable
+                fail(f"--wandb={cfg.wandb}: {str(error).splitlines()[0]}; or set WANDB_MODE=offline")
+
+    def write(self, record):
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        scalars = {f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}": value
+                   for key, value in record.items() if key != "step" and isinstance(value, (int, float))}
+        for key, value in scalars.items() if self.writer is not None else ():
+            self.writer.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
+
+    def close(self):
+        self.metrics.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def write_atomically(path, text):
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as file:
+        file.write(text)
+    os.replace(temporary, path)
+
+
+def write_run_folder(cfg, folder):
+    """The resolved config, which --config=<folder>/config.yaml replays, and a pointer to the benchmark
+    report of each job that trained the run (slurm_submit.sh names it in $BENCHMARK_REPORT)."""
+    import yaml
+
+    write_atomically(os.path.join(folder, "config.yaml"), yaml.safe_dump(vars(cfg), sort_keys=False))
+    report = os.environ.get("BENCHMARK_REPORT")
+    if report:
+        pointer = os.path.join(folder, "benchmark_reports.txt")
+        known = open(pointer).read().splitlines() if os.path.exists(pointer) else []
+        line = f"{os.environ.get('SLURM_JOB_ID', 'no SLURM job')}: {os.path.abspath(report)}"
+        write_atomically(pointer, "\n".join(dict.fromkeys([*known, line])) + "\n")
+
+
+def read_records(folder):
+    """The last record of each logged step of a run folder's metrics.jsonl (a resumed run logs some again)."""
+    records = {}
+    with open(os.path.join(folder, "metrics.jsonl")) as file:
+        for line in file:
+            if line.endswith("\n"):  # a line being written as --plot reads is left for the next plot
+                record = json.loads(line)
+                records[record["step"]] = record
+    return [records[step] for step in sorted(records)]
+
+
+def plot_curves(folder):
+    """<folder>/curves.png: loss and validation loss, learning rate, tokens/s and MFU against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a compute node
+    import matplotlib.pyplot as plt
+
+    records = read_records(folder)
+    if not records:
         return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(os.path.join(cfg.log_dir, "tensorboard"))
+    series = lambda key: ([r["step"] for r in records if r.get(key) is not None],
+                          [r[key] for r in records if r.get(key) is not None])
+    figure, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
+    panels = [("loss", [("loss", "training"), ("val_loss", "validation")]), ("learning rate", [("lr", None)]),
+              ("tokens/s (all devices)", [("tokens_per_s", None)]), ("MFU", [("mfu", None)])]
+    for axis, (title, keys) in zip(axes.flat, panels):
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        for key, label in keys:
+            steps, values = series(key)
+            if steps:
+                few = len(steps) < 30 or key == "val_loss"
+                axis.plot(steps, values, label=label, marker="o" if few else None, markersize=3)
+        if not axis.lines:
+            axis.text(0.5, 0.5, "not measured (MFU needs a GPU of the datasheet)" if title == "MFU" else
+                      "not measured", ha="center", va="center", transform=axis.transAxes, color="gray")
+        elif len(keys) > 1:
+            axis.legend()
+    axes[0, 1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    axes[1, 0].set_ylim(bottom=0)  # a small dip must not look like a collapse
+    axes[1, 1].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    for axis in axes[1]:
+        axis.set_xlabel("step")
+    figure.suptitle(f"{os.path.basename(os.path.abspath(folder))}: {records[-1]['step']} steps")
+    figure.tight_layout()
+    path = os.path.join(folder, "curves.png")
+    temporary = os.path.join(folder, f"curves.{os.getpid()}.tmp.png")
+    figure.savefig(temporary, dpi=100)
+    plt.close(figure)
+    os.replace(temporary, path)
+    return path
+
+
+def duration(seconds):
+    if seconds is None:
+        return "-"
+    return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
 
 
 def new_window(device):
@@ -1364,22 +1562,18 @@ def window_record(window, step, lr, grad_norm, tokens_per_step, samples_per_step
     return record
 
 
-def log_step(record, metrics_file, writer):
+def log_step(record, total_steps, run_log):
     shown = lambda key, text: text.format(record[key]) if record[key] is not None else "-"
-    print(f"step {record['step']:>6} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+    print(f"step {record['step']:>6}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
           f"grad norm {record['grad_norm']:.3f} | {shown('tokens_per_s', '{:,.0f}')} tok/s | "
           f"{shown('samples_per_s', '{:.1f}')} samples/s | step {shown('step_time_s', '{:.3f}')} s | "
           f"MFU {shown('mfu', '{:.1%}')} | mem {shown('peak_mem_GB', '{:.1f}')} / {shown('peak_reserved_GB', '{:.1f}')} GB"
+          f" | elapsed {duration(record['elapsed_s'])} | ETA {duration(record['eta_s'])}"
           + (f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}" if "val_loss" in record else "")
           + "".join(f" | straggler {name}: {describe_straggler(figures, record)}"
                     for name, figures in record.get("stragglers", {}).items()),
           flush=True)
-    metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()
-    if writer is not None:
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)):
-                writer.add_scalar(f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}", value, record["step"])
+    run_log.write(record)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1631,6 +1825,58 @@ def check_compiler(device):
         fail(f"--compile=True cannot compile for {device.type}: it needs {needs} ({first[:200]}); install it, or use --compile=False")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Signals this soon after the first are the same stop: torchrun forwards to its workers the SIGTERM or
+# SIGINT that SLURM (scancel, preemption) or the terminal (Ctrl-C) has already sent each of them.
+SAME_STOP_SECONDS = 2.0
+
+
+class StopSignals:
+    """SLURM sends SIGUSR1 (--signal) before the time limit, SIGTERM on preemption; a person types Ctrl-C.
+    During training the first asks for a checkpoint at the end of the current step (requests is summed over
+    the ranks, so all stop at the same step); a second exits at once with 128 + its number, writing nothing,
+    so the last complete checkpoint stays as it was. Before training (data, model, loading) the first exits
+    at once; SIGUSR1 is caught only from then on, as slurm_submit.sh holds it until a worker catches it.
+    The interpreter's C handler writes each signal to a pipe read by a thread: that works while the main
+    thread waits inside a step or a collective, where a Python handler would only run once it returns."""
+
+    def __init__(self):
+        self.requests, self.training, self.first = [], False, 0.0
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        self.catch(signal.SIGTERM, signal.SIGINT)
+        threading.Thread(target=self.watch, args=(read_end,), daemon=True).start()
+
+    @staticmethod
+    def catch(*numbers):
+        for number in numbers:
+            signal.signal(number, lambda *_: None)  # the wakeup fd carries it to watch()
+
+    def start_training(self):
+        self.training = True
+        self.catch(signal.SIGUSR1)
+
+    def watch(self, read_end):
+        while True:
+            number = os.read(read_end, 1)[0]
+            if number not in STOP_SIGNALS:
+                continue
+            name = signal.Signals(number).name
+            if self.training and not self.requests:
+                self.requests.append(number)
+                self.first = time.monotonic()
+                print(f"{name}: checkpointing at the end of this step (a second signal exits at once)",
+                      flush=True)
+                continue
+            if self.training and time.monotonic() - self.first < SAME_STOP_SECONDS:
+                continue
+            why = "a second stop signal" if self.training else "before training started"
+            print(f"{name}, {why}: exiting at once with status {128 + number}, writing nothing",
+                  file=sys.stderr, flush=True)
+            os._exit(128 + number)
+
+
 def fail(message):
     print(f"error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
@@ -1644,6 +1890,19 @@ def main(argv):
         return 0
     try:
         cfg = parse_args(argv)
+        if cfg.plot:
+            logged = os.path.isfile(os.path.join(cfg.plot, "metrics.jsonl"))
+            if not logged or not (curves := plot_curves(cfg.plot)):
+                raise ConfigError(f"--plot={cfg.plot} holds no logged steps; "
+                                  f"give a run folder, <log_dir>/<run_name>")
+            print(f"curves: {curves}")
+            return 0
+        use_cache_if_hub_unreachable(cfg)
+        if cfg.export_from:
+            checkpoint = os.path.normpath(cfg.export_from)
+            export = os.path.join(os.path.dirname(checkpoint), f"export_{os.path.basename(checkpoint)}")
+            export_checkpoint(checkpoint, export)
+            return 0
         shape = resolve_shape(cfg)
         source = parse_source(cfg)
         tokenizer = load_tokenizer(cfg, shape)
@@ -1651,6 +1910,8 @@ def main(argv):
             raise ConfigError("--world_size is for --dry_run; a training run takes its world size from torchrun")
         world_size = cfg.world_size or int(os.environ.get("WORLD_SIZE", 8 if cfg.dry_run else 1))
         check_config(cfg, shape, world_size)
+        if not cfg.dry_run and not cfg.prepare_only:
+            check_trackers(cfg)
     except ConfigError as error:
         fail(error)
     if cfg.prepare_only:
@@ -1672,15 +1933,17 @@ def main(argv):
         return report_dry_run(cfg, config, shape, n_params, world_size)
     check_machine_holds(cfg, n_params, world_size, local_world_size)
 
+    signals = StopSignals()
     run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name)
-    try:  # before any process group or model: a folder we cannot write to would fail the first save
-        os.makedirs(run_dir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as error:
-        fail(f"--checkpoint_dir={cfg.checkpoint_dir} is not writable ({error.strerror}); point it at a writable shared folder")
-    log_folder = os.path.join(cfg.log_dir, cfg.run_name)  # stacks, flight-recorder dumps, profiler traces
-    os.makedirs(log_folder, exist_ok=True)
+    log_run_dir = os.path.join(cfg.log_dir, cfg.run_name)  # the run's folder: logs, config, curves, diagnostics
+    for option, folder in (("checkpoint_dir", run_dir), ("log_dir", log_run_dir)):
+        try:  # before any process group or model: a folder we cannot write to would fail the first save
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as error:
+            fail(f"--{option}={getattr(cfg, option)} is not writable ({error.strerror}); "
+                 f"point it at a writable shared folder")
     start_time = time.perf_counter()
     if "RANK" not in os.environ:  # a plain `python train.py`: a process group of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -1691,7 +1954,7 @@ def main(argv):
         # FSDP's all-gather buffers come and go (torchtitan's launcher sets it too). A user's setting wins.
         if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
             os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
-        flight_recorder_env(os.environ, log_folder)
+        flight_recorder_env(os.environ, log_run_dir)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -1725,7 +1988,17 @@ def main(argv):
         fail(error) if master else sys.exit(2)
     total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * epoch_steps
     tokens_per_step = cfg.global_batch_size * cfg.seq_length
+    newest = newest_checkpoint(run_dir)
+    if not cfg.resume_from and newest and os.path.isdir(os.path.join(run_dir, "final_model")) \
+            and int(newest.rsplit("_", 1)[1]) >= total_steps:
+        if master:
+            print(f"run {cfg.run_name} already finished at step {newest.rsplit('_', 1)[1]} ({newest}); "
+                  f"nothing to do. Pass --run_name=NEW for a new run, or a larger --max_steps to train on.",
+                  flush=True)
+        dist.destroy_process_group()
+        return 0
     if master:
+        write_run_folder(cfg, log_run_dir)
         print("config:", " ".join(f"{k}={v}" for k, v in vars(cfg).items()), flush=True)
         print(f"model: {cfg.init_from or cfg.model}, {n_params:,} parameters ({n_params / 1e9:.2f}B) | world_size={world_size} | "
               f"device={torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'} | "
@@ -1741,32 +2014,26 @@ def main(argv):
     optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
     checkpointer = Checkpointer(cfg, rank, world_size)
-    start_step, tokens_seen = 0, 0
+    start_step, tokens_seen, elapsed_before = 0, 0, 0.0
     resume_path = cfg.resume_from or newest_checkpoint(checkpointer.run_dir)
     if resume_path:
         trainer_state = checkpointer.load(resume_path, model, optimizer, scheduler, shape, batches)
         start_step, tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        elapsed_before = trainer_state.get("elapsed_s", 0.0)  # the time of the run's earlier launches
         if master:
             print(f"resumed from {resume_path} at step {start_step}"
                   f"{' (weights only, fresh optimizer)' if cfg.skip_optimizer else ''}", flush=True)
     peak = peak_flops(device)
     flops_token = flops_per_token(model, config, cfg.seq_length)
 
-    # SLURM sends SIGUSR1 (--signal) before the time limit and SIGTERM on preemption: finish the step,
-    # checkpoint, exit. Any rank may get it; the flag is summed over ranks so all stop at the same step.
-    stop_requests = []
-    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(stop_signal, lambda signum, frame: stop_requests.append(signum))
-
-    os.makedirs(cfg.log_dir, exist_ok=True)
-    metrics_file = open(os.path.join(cfg.log_dir, "metrics.jsonl"), "a") if master else None
-    writer = open_tensorboard(cfg) if master else None
+    run_log = RunLog(cfg, log_run_dir) if master else None
     model.train()
+    signals.start_training()
     window = new_window(device)
     bad_steps, stopped = 0, False
-    watchdog = Watchdog(cfg, log_folder, rank, device)
+    watchdog = Watchdog(cfg, log_run_dir, rank, device)
     rank_times = RankTimes(model, device)
-    profiler = StepProfiler(profiled_steps(cfg.profile_steps), log_folder, device, master)
+    profiler = StepProfiler(profiled_steps(cfg.profile_steps), log_run_dir, device, master)
     names = [None] * world_size
     dist.all_gather_object(names, f"{socket.gethostname()}:{local_rank}")
     stragglers, timed_batches = Stragglers(names), rank_times.timed(batches)
@@ -1774,12 +2041,13 @@ def main(argv):
         step_start = time.perf_counter()
         with profiler.step(step + 1):
             loss, grad_norm, stop = train_step(model, timed_batches, optimizer, accumulation, cfg.grad_clip,
-                                               stop_requests)
+                                               signals.requests)
         watchdog.step_done(timed=step > start_step)
-        if step == start_step:
+        if step == start_step:  # the ETA counts from here: evaluation and checkpoints in, compiling out
+            first_step_end = time.perf_counter()
             set_pg_timeouts(PG_TIMEOUT, mesh)
             rank_times.reset()  # the first step compiles, as for the window's speed
-        if step > start_step:  # the first step compiles: timing it would understate every later one
+        else:  # the first step compiles: timing it would understate every later one
             window.update(seconds=window["seconds"] + time.perf_counter() - step_start, timed=window["timed"] + 1)
         window.update(loss=window["loss"] + loss, steps=window["steps"] + 1)
         if math.isfinite(grad_norm):
@@ -1809,12 +2077,17 @@ def main(argv):
             if master:
                 record = window_record(window, step + 1, lr_now, grad_norm, tokens_per_step,
                                        cfg.global_batch_size, flops_token, peak, world_size, device, val_loss)
-                record.update(stragglers.window(timings, window["timed"]))
-                log_step(record, metrics_file, writer)
+                now = time.perf_counter()
+                rate = (now - first_step_end) / (step - start_step) if step > start_step else None
+                record.update(elapsed_s=elapsed_before + now - start_time,
+                              eta_s=rate * (total_steps - step - 1) if rate is not None else None,
+                              **stragglers.window(timings, window["timed"]))
+                log_step(record, total_steps, run_log)
             window = new_window(device)
         stopped = stop and step + 1 < total_steps  # a signal at the last step changes nothing
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == total_steps or stopped:
             trainer_state = {"step": step + 1, "tokens_seen": tokens_seen, "config": vars(cfg),
+                             "elapsed_s": elapsed_before + time.perf_counter() - start_time,
                              "shape": {name: getattr(shape, name) for name in SHAPE_NAMES}}
             with watchdog.phase("writing a checkpoint", cfg.checkpoint_limit_s), generous_pg_timeouts(mesh):
                 checkpointer.save(step + 1, model, optimizer, scheduler, batches, trainer_state)
@@ -1831,9 +2104,9 @@ def main(argv):
             print(f"stopped by signal after step {step + 1}; checkpoint saved, relaunch to resume", flush=True)
         else:
             print(f"done: {total_steps} steps in {time.perf_counter() - start_time:.1f} s", flush=True)
-        metrics_file.close()
-        if writer is not None:
-            writer.close()
+        run_log.close()
+        if curves := plot_curves(log_run_dir):
+            print(f"curves: {curves}", flush=True)
     dist.barrier()  # a rank leaving while gloo still talks to it aborts the other
     dist.destroy_process_group()
     return STOPPED_BY_SIGNAL if stopped else 0

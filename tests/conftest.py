@@ -51,14 +51,15 @@ def worker_pids(torchrun_pid):
     return ranks
 
 
-def run_until(args, tmp, step, signal_number, extra_torchrun=()):
+def run_until(args, tmp, step, signal_number, extra_torchrun=(), env=None):
     """Starts a 2-process run and sends signal_number to local rank 1 once `step` is logged."""
     command = torchrun_command("train.py", [f"--log_dir={tmp}", *args], 2, list(extra_torchrun))
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, **(env or {})})
     output = []
     for line in process.stdout:
         output.append(line)
-        if line.startswith(f"step {step:>6} |"):
+        if line.startswith(f"step {step:>6}/"):
             os.kill(worker_pids(process.pid)[1], signal_number)
             break
     output += process.stdout.readlines()
@@ -66,10 +67,17 @@ def run_until(args, tmp, step, signal_number, extra_torchrun=()):
     return process.returncode, "".join(output)
 
 
+def run_folder(log_dir):
+    """The one run folder, <log_dir>/<run_name>, that a test's runs wrote."""
+    folders = [path.parent for path in Path(log_dir).glob("*/metrics.jsonl")]
+    assert len(folders) == 1, folders
+    return folders[0]
+
+
 def read_metrics(log_dir):
-    """The last record of each logged step (a resumed run logs some steps again)."""
+    """The last record of each logged step of the one run in log_dir (a resumed run logs some steps again)."""
     records = {}
-    for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines():
+    for line in (run_folder(log_dir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         records[record["step"]] = record
     return [records[step] for step in sorted(records)]

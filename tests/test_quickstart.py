@@ -14,6 +14,6 @@ def test_quick_start_trains_tiny_on_two_cpu_processes_and_the_loss_falls():
     # one node: no peers for the CPU figures; a slow rank in a collective would warn and training goes on
     assert re.search(r"^verdict: (pass|warn) in ", result.stdout, re.MULTILINE), result.stdout[-3000:]
     assert "world_size=2" in result.stdout
-    losses = [float(loss) for loss in re.findall(r"^step +\d+ \| loss ([\d.]+)", result.stdout, re.MULTILINE)]
+    losses = [float(loss) for loss in re.findall(r"^step +\d+/\d+ \| loss ([\d.]+)", result.stdout, re.M)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 1.0, losses
     assert "On a GPU cluster: sbatch slurm_submit.sh" in result.stdout

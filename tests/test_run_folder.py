@@ -1,0 +1,177 @@
+"""Living with a run: its folder, trackers, curves, relaunches, export and sampling, signals, offline hubs."""
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import train as train_script
+from conftest import REPO, TINY, launch, read_metrics, run_until, torchrun_command, worker_pids
+
+RUN = [*TINY, "--max_steps=6", "--run_name=life", "--checkpoint_every=100"]
+
+
+def wandb_records(path):
+    """The protobuf records of a W&B transaction log: a 7-byte header, then LevelDB-style records (CRC,
+    length, type: 1 whole, 2 first, 3 middle, 4 last part) in 32 KiB blocks."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, offset, pending = Path(path).read_bytes(), 7, b""
+    while offset + 7 <= len(data):
+        if 32768 - offset % 32768 < 7:  # a block's tail too short for a header is padding
+            offset += 32768 - offset % 32768
+            continue
+        length, kind = int.from_bytes(data[offset + 4:offset + 6], "little"), data[offset + 6]
+        pending += data[offset + 7:offset + 7 + length]
+        offset += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_path):
+    with_wandb = importlib.util.find_spec("wandb") is not None  # optional: not in requirements.txt
+    report = tmp_path / "benchmark_7.yaml"
+    env = {"WANDB_MODE": "offline", "BENCHMARK_REPORT": str(report), "SLURM_JOB_ID": "7"}
+    common = [f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ckpt'}",
+              f"--wandb={'fsdp-test' if with_wandb else 'none'}"]
+    code, output = run_until([*common, *RUN], tmp_path / "logs", 1, signal.SIGTERM, env=env)
+    assert code != 0 and "stopped by signal after step" in output, output[-3000:]
+
+    # One process where two started: the run name leaves the world size out, so it resumes the same run.
+    resumed = launch("train.py", [*common, *RUN], nproc=0, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    eta = r"^step +5/6 \| loss .* \| elapsed \d+:\d\d:\d\d \| ETA \d+:\d\d:\d\d$"
+    assert re.search(eta, resumed.stdout, re.M), resumed.stdout
+    folder = tmp_path / "logs" / "life"
+    assert [r["step"] for r in read_metrics(tmp_path / "logs")] == [1, 2, 3, 4, 5, 6]
+    assert list((folder / "tensorboard").glob("events.out.tfevents.*"))
+    assert (folder / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    (folder / "curves.png").unlink()
+    assert train_script.main([f"--plot={folder}"]) == 0  # at any time, from the run's folder alone
+    assert (folder / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert (folder / "benchmark_reports.txt").read_text() == f"7: {report}\n"
+    assert not list(folder.glob("*.tmp*"))
+    # Both parts went to the W&B run whose id is the run name, with the config: each launch writes its
+    # offline folder, and `wandb sync` puts them together.
+    runs, steps = set(), []
+    for run_file in (folder / "wandb").glob("offline-run-*/run-life.wandb") if with_wandb else ():
+        for record in wandb_records(run_file):
+            if record.WhichOneof("record_type") == "run":
+                runs.add((record.run.run_id, record.run.project))
+                assert {item.key for item in record.run.config.update} >= {"model", "max_steps", "run_name"}
+            elif record.WhichOneof("record_type") == "history":
+                steps.append(record.history.step.num)
+    if with_wandb:
+        assert runs == {("life", "fsdp-test")} and sorted(steps) == [1, 2, 3, 4, 5, 6], (runs, steps)
+
+    # The saved config replays the run: it has finished, so nothing is done.
+    # (W&B is left out from here on: it takes seconds to start, and the parts above tested it.)
+    replay = launch("train.py", [f"--config={folder / 'config.yaml'}", "--wandb=none"], nproc=0)
+    assert replay.returncode == 0, replay.stderr[-3000:]
+    assert replay.stdout.strip().splitlines()[-1] == (
+        f"run life already finished at step 6 ({tmp_path / 'ckpt' / 'life' / 'step_6'}); nothing to do. "
+        "Pass --run_name=NEW for a new run, or a larger --max_steps to train on.")
+    assert "model exported" not in replay.stdout
+    longer = launch("train.py", [f"--config={folder / 'config.yaml'}", "--max_steps=8", "--wandb=none"],
+                    nproc=0)
+    assert longer.returncode == 0 and "resumed from" in longer.stdout, longer.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "logs")] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert "max_steps: 8" in (folder / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("model, ckpt_format", [("tiny", "sharded"), ("tiny-llama", "full")])
+def test_export_from_any_step_and_sample(tmp_path, capsys, model, ckpt_format):
+    """--export_from writes what the training's own export writes; sample.py generates from either."""
+    from transformers import AutoModelForCausalLM
+
+    import sample
+
+    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY,
+                                 f"--model={model}", "--max_steps=2", "--run_name=run",
+                                 f"--ckpt_format={ckpt_format}", "--tensorboard=False"], nproc=0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert train_script.main([f"--export_from={tmp_path / 'run' / 'step_2'}"]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export_step_2")
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final_model")
+    tokens = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(exported(tokens).logits, final(tokens).logits)
+
+    capsys.readouterr()
+    for source in ("final_model", "step_2"):  # a checkpoint is exported on the fly
+        assert sample.main([f"--init_from={tmp_path / 'run' / source}", "--prompt=1 2 3", "--num_samples=2",
+                            "--max_new_tokens=5", "--temperature=0"]) == 0
+    samples = [line for line in capsys.readouterr().out.splitlines() if line.startswith("1 2 3")]
+    assert len(samples) == 4 and len(set(samples)) == 1, samples  # greedy: the same from both
+    assert len(samples[0].split()) == 8
+
+
+def wait_for_catching(pid, number, timeout=120):
+    """Waits until the process has a handler for signal `number` (its SigCgt bit in /proc)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status = Path(f"/proc/{pid}/status").read_text()
+        if int(re.search(r"^SigCgt:\s*(\w+)", status, re.M).group(1), 16) >> (number - 1) & 1:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} never caught signal {number}")
+
+
+@pytest.mark.parametrize("when", ["before training", "inside a step"])
+def test_a_stop_signal_exits_at_once_when_it_cannot_checkpoint(tmp_path, when):
+    """Rank 0 is frozen, so rank 1 waits for it forever: before training in the process group's set-up, or
+    inside a step's collective. A signal before training, or a second one inside a step, exits at once."""
+    command = torchrun_command("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN,
+                                            "--max_steps=1000", "--checkpoint_every=1"], 2)
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        if when == "before training":  # rank 0 frozen while it imports: it never reaches the process group
+            while len(ranks := worker_pids(process.pid)) < 2:
+                time.sleep(0.02)
+            os.kill(ranks[0], signal.SIGSTOP)
+        else:
+            next(line for line in process.stdout if line.startswith("step      2/"))
+            ranks = worker_pids(process.pid)
+            os.kill(ranks[0], signal.SIGSTOP)
+        wait_for_catching(ranks[1], signal.SIGTERM)
+        os.kill(ranks[1], signal.SIGTERM)
+        if when == "inside a step":
+            time.sleep(train_script.SAME_STOP_SECONDS + 1)  # sooner, it would count as the same stop
+            os.kill(ranks[1], signal.SIGTERM)
+        started = time.monotonic()
+        while Path(f"/proc/{ranks[1]}").exists() and time.monotonic() - started < 60:
+            time.sleep(0.05)
+        exited_after = time.monotonic() - started
+        os.kill(ranks[0], signal.SIGCONT)
+        output = process.communicate(timeout=120)[0]
+    finally:
+        process.kill()
+    assert exited_after < 5, output[-3000:]
+    why = "before training started" if when == "before training" else "a second stop signal"
+    assert f"SIGTERM, {why}: exiting at once with status 143, writing nothing" in output, output[-3000:]
+    if when == "inside a step":
+        assert "SIGTERM: checkpointing at the end of this step" in output
+        steps = sorted(int(p.name[5:]) for p in (tmp_path / "life").glob("step_*") if p.name[5:].isdigit())
+        assert steps and steps[-1] <= 3, steps  # what was complete stays; nothing more was written
+
+
+@pytest.mark.parametrize("offline", ["1", ""])
+def test_an_unreachable_hub_fails_in_seconds(tmp_path, offline):
+    """No hub here: whether HF_HUB_OFFLINE says so or a first request finds out, no retries."""
+    env = {"HF_HUB_OFFLINE": offline, "HF_HOME": str(tmp_path / "hf")}
+    started = time.monotonic()
+    result = launch("train.py", ["--data=wikitext", "--prepare_only", f"--data_cache={tmp_path}"], nproc=0,
+                    env=env, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "Retry" not in result.stderr, result.stderr[-2000:]
+    assert "cannot load tokenizer 'gpt2'" in result.stderr, result.stderr[-2000:]
+    assert time.monotonic() - started < 30
