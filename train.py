@@ -8,6 +8,7 @@ Edit the constants below, set them in a YAML file given as --config=FILE.yaml, o
 as --name=value (bare --flag means True); flags win over the file.
 Read top to bottom: configuration, data, model, optimizer, checkpoints, logging, main().
 """
+import codecs
 import copy
 import difflib
 import functools
@@ -186,7 +187,7 @@ def convert(name, value, hint, where):
     kind = next(t for t in getattr(hint, "__args__", (hint,)) if t is not type(None))
     if allows_none and (value is None or isinstance(value, str) and value.lower() == "none"):
         return None
-    if type(value) is kind or kind is float and type(value) is int:
+    if type(value) is kind and (kind is not float or math.isfinite(value)) or kind is float and type(value) is int:
         return kind(value)
     if isinstance(value, str) and kind is bool:
         if value.lower() in ("1", "true", "yes", "on"):
@@ -195,11 +196,32 @@ def convert(name, value, hint, where):
             return False
     elif isinstance(value, str):
         try:
-            return kind(value)
+            converted = kind(value)
         except ValueError:
             pass
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+        else:
+            if kind is not float or math.isfinite(converted):
+                return converted
+    expected = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}[kind]
     raise ConfigError(f"{where}{name} expects {expected}{' or none' if allows_none else ''}, got {value!r}")
+
+
+def missing_folder(option, value):
+    """A value written as a local path (a hub name is NAME or OWNER/NAME) must be an existing folder."""
+    local = value.startswith((".", "/", "~")) or value.endswith("/") or value.count("/") > 1
+    if local and not os.path.isdir(os.path.expanduser(value)):
+        raise ConfigError(f"{option}={value}: no such folder" + (" (it is a file; give the folder holding it)"
+                                                                  if os.path.isfile(value) else ""))
+
+
+def writable_folder(option, path):
+    """Creates path and checks a file can be written in it, before any process group or model."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{option}={path} is not writable ({error.strerror}); point it at a writable folder")
 
 
 def resolve_shape(cfg):
@@ -208,6 +230,7 @@ def resolve_shape(cfg):
     import transformers
 
     if cfg.init_from:
+        missing_folder("--init_from", cfg.init_from)
         try:
             pretrained = transformers.AutoConfig.from_pretrained(cfg.init_from)
         except (OSError, ValueError) as error:
@@ -235,13 +258,16 @@ def check_config(cfg, shape, world_size):
     for name, choices in CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"--{name}={getattr(cfg, name)} is not one of: {', '.join(choices)}")
-    for name in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size"):
-        if getattr(shape, name) <= 0:
-            raise ConfigError(f"--{name} must be positive, got {getattr(shape, name)}")
-    for name in ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every", "checkpoint_every",
-                 "max_bad_steps", "ac_every"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    # Each value out of range is its own line, all of them at once.
+    problems = [f"--{name} must be positive, got {getattr(shape, name)}"
+                for name in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size") if getattr(shape, name) <= 0]
+    problems += [f"--{name} must be positive, got {getattr(cfg, name)}"
+                 for name in ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every",
+                              "checkpoint_every", "max_bad_steps", "ac_every") if getattr(cfg, name) <= 0]
+    problems += [f"--{name} must not be negative, got {getattr(cfg, name)}"
+                 for name in ("warmup_steps", "weight_decay", "grad_clip", "keep_last") if getattr(cfg, name) < 0]
+    if problems:
+        raise ConfigError("\n".join(problems))
     if shape.n_embd % shape.n_head:
         raise ConfigError(f"--n_embd={shape.n_embd} is not divisible by --n_head={shape.n_head}")
     if cfg.seq_length > shape.n_positions:
@@ -255,8 +281,6 @@ def check_config(cfg, shape, world_size):
         raise ConfigError(f"--max_steps must be positive, or -1 for num_epochs passes, got {cfg.max_steps}")
     if not 0 <= cfg.min_lr <= cfg.lr:
         raise ConfigError(f"--min_lr={cfg.min_lr} must lie between 0 and --lr={cfg.lr}")
-    if cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.keep_last < 0:
-        raise ConfigError("--warmup_steps, --weight_decay, --grad_clip and --keep_last must not be negative")
     if cfg.init_from and any(getattr(cfg, name) is not None for name in SHAPE_NAMES):
         raise ConfigError(f"--init_from={cfg.init_from} brings its own shape; drop --{', --'.join(SHAPE_NAMES)}")
     if cfg.cpu_offload and cfg.sharding == "ddp":
@@ -290,8 +314,12 @@ FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": 
 
 def parse_source(cfg):
     """(kind, name, config) of --data; kind is dummy, hub or local (prepared token files) or stream."""
-    if not 0 < cfg.val_fraction < 1 or cfg.eval_every < 0 or cfg.eval_batches <= 0:
-        raise ConfigError("--val_fraction must lie between 0 and 1, --eval_every must not be negative, --eval_batches must be positive")
+    problems = [message for wrong, message in (
+        (not 0 < cfg.val_fraction < 1, f"--val_fraction must lie between 0 and 1, got {cfg.val_fraction}"),
+        (cfg.eval_every < 0, f"--eval_every must not be negative (0: never), got {cfg.eval_every}"),
+        (cfg.eval_batches <= 0, f"--eval_batches must be positive, got {cfg.eval_batches}")) if wrong]
+    if problems:
+        raise ConfigError("\n".join(problems))
     if cfg.data == "dummy":
         return "dummy", None, None
     if cfg.data in HUB_SOURCES:
@@ -314,6 +342,7 @@ def load_tokenizer(cfg, shape):
         return None
     from transformers import AutoTokenizer
 
+    missing_folder("--tokenizer", cfg.tokenizer)
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     except (OSError, ValueError) as error:
@@ -345,6 +374,23 @@ def corpus_files(path):
     return [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "**", "*.*"), recursive=True))
 
 
+def check_utf8(path):
+    """A text corpus file must be UTF-8: anything else would fail deep inside datasets."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as file:
+        while True:
+            chunk = file.read(2**24)
+            held = len(decoder.getstate()[0])  # the start of a character cut by the previous chunk's end
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                raise ConfigError(f"--data: {path} is not UTF-8 text (invalid byte at offset {offset - held + error.start}); "
+                                  f"convert it (iconv -t utf-8) or remove it") from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
 def load_document_splits(cfg, kind, name, config):
     """train and validation splits of wikitext or a local corpus, as map-style datasets."""
     from datasets import load_dataset
@@ -365,6 +411,8 @@ def load_document_splits(cfg, kind, name, config):
                                                        else "has no .txt, .jsonl or .parquet file"))
         if sum(os.path.getsize(path) for path in files) == 0:
             raise ConfigError(f"--data={cfg.data} holds no text")
+        for path in files if formats[0] != ".parquet" else []:
+            check_utf8(path)
         # In a folder, files named like train/validation/test become those splits (datasets' naming rules).
         where = dict(data_files=name) if os.path.isfile(name) else dict(data_dir=name)
         splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=cache_dir)
@@ -1239,7 +1287,7 @@ def free_port():
 
 
 def fail(message):
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print("\n".join(f"error: {line}" for line in str(message).splitlines()), file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -1256,13 +1304,14 @@ def main(argv):
         tokenizer = load_tokenizer(cfg, shape)
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         check_config(cfg, shape, world_size)
-    except ConfigError as error:
-        fail(error)
+    except ConfigError as error:  # every rank finds the same error: rank 0 alone says it
+        fail(error) if os.environ.get("RANK", "0") == "0" else sys.exit(2)
     if cfg.prepare_only:
         if source[0] not in ("hub", "local"):
             fail(f"--prepare_only prepares wikitext or a local path; --data={cfg.data} needs no preparation")
         try:
             if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, one process is enough
+                writable_folder("--data_cache", cfg.data_cache)
                 prepare_token_files(cfg, *source, tokenizer)
         except ConfigError as error:
             fail(error)
@@ -1288,12 +1337,14 @@ def main(argv):
         return 0
 
     run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name)
-    try:  # before any process group or model: a folder we cannot write to would fail the first save
-        os.makedirs(run_dir, exist_ok=True)
-        with tempfile.TemporaryFile(dir=run_dir):
-            pass
-    except OSError as error:
-        fail(f"--checkpoint_dir={cfg.checkpoint_dir} is not writable ({error.strerror}); point it at a writable shared folder")
+    try:  # before any process group or model: a folder we cannot write to would fail later, after hours
+        writable_folder("--checkpoint_dir", cfg.checkpoint_dir)
+        writable_folder("--log_dir", cfg.log_dir)
+        if source[0] != "dummy":
+            writable_folder("--data_cache", cfg.data_cache)
+    except ConfigError as error:  # once per node: a folder may be missing on one node only
+        fail(error) if os.environ.get("LOCAL_RANK", "0") == "0" else sys.exit(2)
+    os.makedirs(run_dir, exist_ok=True)
     lock = None
     if os.environ.get("RANK", "0") == "0":  # before the process group: a second launch stops here
         try:
