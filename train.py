@@ -840,7 +840,7 @@ def lr_factor(step, cfg, total_steps):
 # --------------------------------------------------------------------------------------------
 # Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/, written under a temporary name and renamed
 # once every rank has finished, so a folder named step_<N> is always complete. Its manifest.json
-# holds a blake2b checksum of every other file, checked before any tensor is loaded.
+# holds a SHA-256 checksum of every other file, checked before any tensor is loaded.
 # --------------------------------------------------------------------------------------------
 MANIFEST = "manifest.json"
 HASH_CHUNK = 64 << 20
@@ -870,13 +870,13 @@ def hash_threads():
 
 
 def file_checksum(path):
-    """Size and blake2b of the blake2b digests of the file's 64 MiB chunks: the chunks hash on parallel
-    threads (hashlib releases the GIL), so checksumming keeps pace with the disk."""
+    """Size and SHA-256 of the SHA-256 digests of the file's 64 MiB chunks: the chunks hash on parallel
+    threads (hashlib releases the GIL). SHA-256, not blake2b: CPUs with SHA extensions hash it 2x faster."""
     size = os.path.getsize(path)
     with open(path, "rb") as file, ThreadPoolExecutor(hash_threads()) as pool:
-        digests = pool.map(lambda offset: hashlib.blake2b(os.pread(file.fileno(), HASH_CHUNK, offset)).digest(),
+        digests = pool.map(lambda offset: hashlib.sha256(os.pread(file.fileno(), HASH_CHUNK, offset)).digest(),
                            range(0, size, HASH_CHUNK))
-        return {"size": size, "blake2b": hashlib.blake2b(b"".join(digests)).hexdigest()}
+        return {"size": size, "sha256": hashlib.sha256(b"".join(digests)).hexdigest()}
 
 
 def own_files(folder, rank):
