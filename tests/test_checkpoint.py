@@ -83,10 +83,13 @@ def test_full_format_and_export_load_without_this_repo(tmp_path):
                                   "--run_name=full", "--ckpt_format=full"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 6" in resumed.stdout
+    zero_bytes(tmp_path / "full" / "step_8" / "state_dict.pt", 4096, 4096)
     changed = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=9",
                                   "--run_name=full", "--n_embd=128"], nproc=0)
     assert changed.returncode == 2
     assert "has another model shape (n_embd 256 -> 128)" in changed.stderr
+    assert (f"warning: checkpoint {tmp_path}/full/step_8 is unusable: {tmp_path}/full/step_8/state_dict.pt does not "
+            f"match its checksum (corrupt); falling back to {tmp_path}/full/step_6") in changed.stdout
 
 
 def test_non_finite_steps_are_skipped_then_stop(tmp_path):
