@@ -204,7 +204,8 @@ def write_files(root, layout):
     # 21 bytes of the first line and "caf", then é in Latin-1
     ({"latin.txt": "the cat sees a dog .\ncafé\n".encode("latin-1")}, ["--data=latin.txt"],
      "latin.txt is not UTF-8 text (invalid byte at offset 24)"),
-    ({"bin/train.txt": bytes(range(256)) * 4}, ["--data=bin"], "train.txt is not UTF-8 text (invalid byte at offset 128)"),
+    ({"bin/train.txt": bytes(range(256)) * 4}, ["--data=bin"],
+     "train.txt is not UTF-8 text (invalid byte at offset 128)"),
     ({"ok.txt": "the cat sees a dog .\n"}, ["--data=ok.txt", "--tokenizer=./no_tokenizer"],
      "--tokenizer=./no_tokenizer: no such folder"),
     ({"ok.txt": "the cat sees a dog .\n"}, ["--data=ok.txt", "--data_cache=ok.txt/cache"],

@@ -101,14 +101,16 @@ def main():
     def line(name, seconds, note=""):
         print(f"{name:<38} {n_bytes / seconds / 1e9:6.2f} GB/s  {seconds:6.2f} s  {note}")
 
-    print(f"model {args.model}: {n_bytes / 1e9:.2f} GB of weights and AdamW moments (fp32); best of {args.repeat}")
+    print(f"model {args.model}: {n_bytes / 1e9:.2f} GB of weights and AdamW moments (fp32); "
+          f"best of {args.repeat}")
     print(f"{'disk sequential write (fsync)':<38} {disk:6.2f} GB/s")
-    line("sharded save with checksums", sync_seconds, f"{n_bytes / sync_seconds / 1e9 / disk:5.0%} of the disk")
-    line("DCP save alone, no checksums", bare_seconds, f"{n_bytes / bare_seconds / 1e9 / disk:5.0%} of the disk")
+    line("sharded save with checksums", sync_seconds, f"{n_bytes / sync_seconds / 1e9 / disk:5.0%} of disk")
+    line("DCP save alone, no checksums", bare_seconds, f"{n_bytes / bare_seconds / 1e9 / disk:5.0%} of disk")
     line("  of which the checksums", hash_seconds, f"{hash_seconds / sync_seconds:5.0%} of the save")
-    print(f"{'async save: training blocked for':<38} {blocked_seconds:6.2f} s  {blocked_seconds / sync_seconds:5.0%} of the sync save")
+    print(f"{'async save: training blocked for':<38} {blocked_seconds:6.2f} s  "
+          f"{blocked_seconds / sync_seconds:5.0%} of the sync save")
     line("load", load_seconds)
-    line("checksums checked before the load", verify_seconds, f"{verify_seconds / load_seconds:5.0%} of the load")
+    line("checksums checked before the load", verify_seconds, f"{verify_seconds / load_seconds:5.0%} of load")
     dist.destroy_process_group()
 
 
