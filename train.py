@@ -187,8 +187,9 @@ def convert(name, value, hint, where):
     kind = next(t for t in getattr(hint, "__args__", (hint,)) if t is not type(None))
     if allows_none and (value is None or isinstance(value, str) and value.lower() == "none"):
         return None
-    if type(value) is kind and (kind is not float or math.isfinite(value)) or kind is float and type(value) is int:
-        return kind(value)
+    if type(value) is kind or kind is float and type(value) is int:
+        if kind is not float or math.isfinite(value):
+            return kind(value)
     if isinstance(value, str) and kind is bool:
         if value.lower() in ("1", "true", "yes", "on"):
             return True
@@ -221,7 +222,8 @@ def writable_folder(option, path):
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as error:
-        raise ConfigError(f"{option}={path} is not writable ({error.strerror}); point it at a writable folder")
+        raise ConfigError(f"{option}={path} is not writable ({error.strerror}); "
+                          f"point it at a writable folder")
 
 
 def resolve_shape(cfg):
@@ -260,12 +262,14 @@ def check_config(cfg, shape, world_size):
             raise ConfigError(f"--{name}={getattr(cfg, name)} is not one of: {', '.join(choices)}")
     # Each value out of range is its own line, all of them at once.
     problems = [f"--{name} must be positive, got {getattr(shape, name)}"
-                for name in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size") if getattr(shape, name) <= 0]
+                for name in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size")
+                if getattr(shape, name) <= 0]
     problems += [f"--{name} must be positive, got {getattr(cfg, name)}"
                  for name in ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every",
                               "checkpoint_every", "max_bad_steps", "ac_every") if getattr(cfg, name) <= 0]
     problems += [f"--{name} must not be negative, got {getattr(cfg, name)}"
-                 for name in ("warmup_steps", "weight_decay", "grad_clip", "keep_last") if getattr(cfg, name) < 0]
+                 for name in ("warmup_steps", "weight_decay", "grad_clip", "keep_last")
+                 if getattr(cfg, name) < 0]
     if problems:
         raise ConfigError("\n".join(problems))
     if shape.n_embd % shape.n_head:
@@ -384,7 +388,8 @@ def check_utf8(path):
             try:
                 decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as error:
-                raise ConfigError(f"--data: {path} is not UTF-8 text (invalid byte at offset {offset - held + error.start}); "
+                position = offset - held + error.start
+                raise ConfigError(f"--data: {path} is not UTF-8 text (invalid byte at offset {position}); "
                                   f"convert it (iconv -t utf-8) or remove it") from None
             if not chunk:
                 return
@@ -874,8 +879,9 @@ def file_checksum(path):
     threads (hashlib releases the GIL). SHA-256, not blake2b: CPUs with SHA extensions hash it 2x faster."""
     size = os.path.getsize(path)
     with open(path, "rb") as file, ThreadPoolExecutor(hash_threads()) as pool:
-        digests = pool.map(lambda offset: hashlib.sha256(os.pread(file.fileno(), HASH_CHUNK, offset)).digest(),
-                           range(0, size, HASH_CHUNK))
+        def digest(offset):
+            return hashlib.sha256(os.pread(file.fileno(), HASH_CHUNK, offset)).digest()
+        digests = pool.map(digest, range(0, size, HASH_CHUNK))
         return {"size": size, "sha256": hashlib.sha256(b"".join(digests)).hexdigest()}
 
 
@@ -932,7 +938,8 @@ def take_run_lock(run_dir):
     path = os.path.join(run_dir, RUN_LOCK)
     mine = f"{path}.{socket.gethostname()}.{os.getpid()}"
     with open(mine, "w") as file:
-        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID")}, file)
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID")},
+                  file)
     try:
         while True:
             try:
@@ -950,9 +957,9 @@ def take_run_lock(run_dir):
                 holder, age = {}, 0.0
             if not lock_is_stale(holder, age):
                 job = f", SLURM job {holder['job_id']}" if holder.get("job_id") else ""
-                raise ConfigError(f"run {run_dir} is already being trained by pid {holder.get('pid', '?')} on "
-                                  f"{holder.get('host', '?')}{job} (lock {path}); wait for it to finish, or set "
-                                  f"another --run_name or --checkpoint_dir")
+                raise ConfigError(f"run {run_dir} is already being trained by pid {holder.get('pid', '?')} "
+                                  f"on {holder.get('host', '?')}{job} (lock {path}); wait for it to finish, "
+                                  f"or set another --run_name or --checkpoint_dir")
             try:  # the rename lets only one of several launches take a stale lock over
                 os.rename(path, mine + ".stale")
             except FileNotFoundError:
@@ -1005,7 +1012,8 @@ class Checkpointer:
     def checksums(self, temporary):
         """(None, this rank's files' checksums), or (the error, None)."""
         try:
-            return None, {name: file_checksum(os.path.join(temporary, name)) for name in own_files(temporary, self.rank)}
+            return None, {name: file_checksum(os.path.join(temporary, name))
+                          for name in own_files(temporary, self.rank)}
         except OSError as error:
             return save_error(error), None
 
@@ -1080,7 +1088,8 @@ class Checkpointer:
             except OSError as error:
                 problem = save_error(error)
             else:
-                for old in checkpoint_steps(self.run_dir)[: -self.cfg.keep_last] if self.cfg.keep_last else []:
+                kept = self.cfg.keep_last
+                for old in checkpoint_steps(self.run_dir)[:-kept] if kept else []:
                     shutil.rmtree(os.path.join(self.run_dir, f"step_{old}"), ignore_errors=True)
                 print(f"checkpoint saved: {final}", flush=True)
         verdict = [problem]
@@ -1125,7 +1134,8 @@ class Checkpointer:
                 problem = f"{file} is unreadable ({error.strerror})"
             else:
                 if checksum["size"] != files[name]["size"]:
-                    problem = f"{file} has {checksum['size']} bytes instead of {files[name]['size']} (truncated?)"
+                    problem = (f"{file} has {checksum['size']} bytes instead of {files[name]['size']} "
+                               f"(truncated?)")
                 elif checksum != files[name]:
                     problem = f"{file} does not match its checksum (corrupt)"
             if problem:
@@ -1136,10 +1146,12 @@ class Checkpointer:
         """The checkpoint to resume from: resume_from, else the newest of the run; one that is incomplete
         or corrupt is skipped for the one before it. None for a fresh run; exit 2 if none is usable."""
         run_dir = os.path.dirname(os.path.normpath(resume_from)) or "." if resume_from else self.run_dir
-        candidates = [os.path.normpath(os.path.join(run_dir, f"step_{step}")) for step in reversed(checkpoint_steps(run_dir))]
+        candidates = [os.path.normpath(os.path.join(run_dir, f"step_{step}"))
+                      for step in reversed(checkpoint_steps(run_dir))]
         if resume_from:
             newest = os.path.normpath(resume_from)
-            candidates = [newest] + candidates[candidates.index(newest) + 1:] if newest in candidates else [newest]
+            older = candidates[candidates.index(newest) + 1:] if newest in candidates else []
+            candidates = [newest] + older
         for index, path in enumerate(candidates):
             problem = self.problem(path)
             if problem is None:
@@ -1149,8 +1161,8 @@ class Checkpointer:
                              else "no earlier checkpoint is left")
                 print(f"warning: checkpoint {path} is unusable: {problem}; {following}", flush=True)
         if candidates:
-            message = (f"no usable checkpoint to resume from ({', '.join(candidates)}); delete them to start over, "
-                       f"or set another --run_name")
+            message = (f"no usable checkpoint to resume from ({', '.join(candidates)}); delete them to start "
+                       f"over, or set another --run_name")
             fail(message) if self.rank == 0 else sys.exit(2)
         return None
 
@@ -1232,8 +1244,9 @@ def export_pretrained(model, config, tokenizer, path, rank):
             os.rename(temporary, path)
         except save_errors() as error:
             shutil.rmtree(temporary, ignore_errors=True)
-            problem = [f"writing the export {temporary} failed ({save_error(error)}; {space_left(os.path.dirname(path))}); "
-                       f"the checkpoints are untouched. Free space, then relaunch to export"]
+            problem = [f"writing the export {temporary} failed ({save_error(error)}; "
+                       f"{space_left(os.path.dirname(path))}); the checkpoints are untouched. "
+                       f"Free space, then relaunch to export"]
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         fail(problem[0]) if rank == 0 else sys.exit(2)
@@ -1353,8 +1366,8 @@ def main(argv):
             fail(error)
     start_time = time.perf_counter()
     if "RANK" not in os.environ:  # a plain `python train.py`: a process group of one, on a free port
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
