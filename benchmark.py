@@ -1189,6 +1189,8 @@ def validate(cfg: dict, args, parser):
         parser.error(f"--report_dir {cfg['report_dir']}: cannot write there ({error.strerror}); pass a writable folder")
     if "storage" in cfg["sections"]:
         path = Path(cfg["storage_path"])
+        if path.is_file():
+            parser.error(f"--storage_path {path} is a file, not a folder; pass a folder or --skip storage")
         if not path.is_dir():
             parser.error(f"--storage_path {path}: no such folder; create it (mkdir -p {path}), pass another "
                          "or --skip storage")

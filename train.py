@@ -8,6 +8,7 @@ Edit the constants below, set them in a YAML file given as --config=FILE.yaml, o
 as --name=value (bare --flag means True); flags win over the file.
 Read top to bottom: configuration, data, model, optimizer, checkpoints, logging, main().
 """
+import codecs
 import collections
 import contextlib
 import copy
@@ -32,6 +33,7 @@ import threading
 import time
 import types
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import numpy as np
@@ -218,7 +220,8 @@ def convert(name, value, hint, where):
     if allows_none and (value is None or isinstance(value, str) and value.lower() == "none"):
         return None
     if type(value) is kind or kind is float and type(value) is int:
-        return kind(value)
+        if kind is not float or math.isfinite(value):
+            return kind(value)
     if isinstance(value, str) and kind is bool:
         if value.lower() in ("1", "true", "yes", "on"):
             return True
@@ -226,11 +229,33 @@ def convert(name, value, hint, where):
             return False
     elif isinstance(value, str):
         try:
-            return kind(value)
+            converted = kind(value)
         except ValueError:
             pass
-    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+        else:
+            if kind is not float or math.isfinite(converted):
+                return converted
+    expected = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}[kind]
     raise ConfigError(f"{where}{name} expects {expected}{' or none' if allows_none else ''}, got {value!r}")
+
+
+def missing_folder(option, value):
+    """A value written as a local path (a hub name is NAME or OWNER/NAME) must be an existing folder."""
+    local = value.startswith((".", "/", "~")) or value.endswith("/") or value.count("/") > 1
+    if local and not os.path.isdir(os.path.expanduser(value)):
+        raise ConfigError(f"{option}={value}: no such folder" + (" (it is a file; give the folder holding it)"
+                                                                  if os.path.isfile(value) else ""))
+
+
+def writable_folder(option, path):
+    """Creates path and checks a file can be written in it, before any process group or model."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{option}={path} is not writable ({error.strerror}); "
+                          f"point it at a writable folder")
 
 
 def resolve_shape(cfg):
@@ -239,6 +264,7 @@ def resolve_shape(cfg):
     import transformers
 
     if cfg.init_from:
+        missing_folder("--init_from", cfg.init_from)
         try:
             pretrained = transformers.AutoConfig.from_pretrained(cfg.init_from)
         except (OSError, ValueError) as error:
@@ -268,13 +294,19 @@ def check_config(cfg, shape, world_size):
     for name, choices in CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"--{name}={getattr(cfg, name)} is not one of: {', '.join(choices)}")
-    for name in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size"):
-        if getattr(shape, name) <= 0:
-            raise ConfigError(f"--{name} must be positive, got {getattr(shape, name)}")
-    for name in ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every", "checkpoint_every",
-                 "max_bad_steps", "ac_every", "gpus_per_node"):
-        if getattr(cfg, name) <= 0:
-            raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
+    # Each value out of range is its own line, all of them at once.
+    problems = [f"--{name} must be positive, got {getattr(shape, name)}"
+                for name in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size")
+                if getattr(shape, name) <= 0]
+    problems += [f"--{name} must be positive, got {getattr(cfg, name)}"
+                 for name in ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every",
+                              "checkpoint_every", "max_bad_steps", "ac_every", "gpus_per_node")
+                 if getattr(cfg, name) <= 0]
+    problems += [f"--{name} must not be negative, got {getattr(cfg, name)}"
+                 for name in ("warmup_steps", "weight_decay", "grad_clip", "keep_last")
+                 if getattr(cfg, name) < 0]
+    if problems:
+        raise ConfigError("\n".join(problems))
     if shape.n_embd % shape.n_head:
         raise ConfigError(f"--n_embd={shape.n_embd} is not divisible by --n_head={shape.n_head}")
     if cfg.seq_length > shape.n_positions:
@@ -290,8 +322,6 @@ def check_config(cfg, shape, world_size):
         raise ConfigError(f"--max_steps must be positive, or -1 for num_epochs passes, got {cfg.max_steps}")
     if not 0 <= cfg.min_lr <= cfg.lr:
         raise ConfigError(f"--min_lr={cfg.min_lr} must lie between 0 and --lr={cfg.lr}")
-    if cfg.warmup_steps < 0 or cfg.weight_decay < 0 or cfg.grad_clip < 0 or cfg.keep_last < 0:
-        raise ConfigError("--warmup_steps, --weight_decay, --grad_clip and --keep_last must not be negative")
     if cfg.init_from and any(getattr(cfg, name) is not None for name in SHAPE_NAMES):
         raise ConfigError(f"--init_from={cfg.init_from} brings its own shape; drop --{', --'.join(SHAPE_NAMES)}")
     if cfg.cpu_offload and cfg.sharding == "ddp":
@@ -340,8 +370,12 @@ FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": 
 
 def parse_source(cfg):
     """(kind, name, config) of --data; kind is dummy, hub or local (prepared token files) or stream."""
-    if not 0 < cfg.val_fraction < 1 or cfg.eval_every < 0 or cfg.eval_batches <= 0:
-        raise ConfigError("--val_fraction must lie between 0 and 1, --eval_every must not be negative, --eval_batches must be positive")
+    problems = [message for wrong, message in (
+        (not 0 < cfg.val_fraction < 1, f"--val_fraction must lie between 0 and 1, got {cfg.val_fraction}"),
+        (cfg.eval_every < 0, f"--eval_every must not be negative (0: never), got {cfg.eval_every}"),
+        (cfg.eval_batches <= 0, f"--eval_batches must be positive, got {cfg.eval_batches}")) if wrong]
+    if problems:
+        raise ConfigError("\n".join(problems))
     if cfg.data == "dummy":
         return "dummy", None, None
     if cfg.data in HUB_SOURCES:
@@ -391,6 +425,7 @@ def load_tokenizer(cfg, shape):
         return None
     from transformers import AutoTokenizer
 
+    missing_folder("--tokenizer", cfg.tokenizer)
     try:
         tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     except (OSError, ValueError) as error:
@@ -422,6 +457,24 @@ def corpus_files(path):
     return [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "**", "*.*"), recursive=True))
 
 
+def check_utf8(path):
+    """A text corpus file must be UTF-8: anything else would fail deep inside datasets."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as file:
+        while True:
+            chunk = file.read(2**24)
+            held = len(decoder.getstate()[0])  # the start of a character cut by the previous chunk's end
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                position = offset - held + error.start
+                raise ConfigError(f"--data: {path} is not UTF-8 text (invalid byte at offset {position}); "
+                                  f"convert it (iconv -t utf-8) or remove it") from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
 def load_document_splits(cfg, kind, name, config):
     """train and validation splits of wikitext or a local corpus, as map-style datasets."""
     from datasets import load_dataset
@@ -442,6 +495,8 @@ def load_document_splits(cfg, kind, name, config):
                                                        else "has no .txt, .jsonl or .parquet file"))
         if sum(os.path.getsize(path) for path in files) == 0:
             raise ConfigError(f"--data={cfg.data} holds no text")
+        for path in files if formats[0] != ".parquet" else []:
+            check_utf8(path)
         # In a folder, files named like train/validation/test become those splits (datasets' naming rules).
         where = dict(data_files=name) if os.path.isfile(name) else dict(data_dir=name)
         splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=cache_dir)
@@ -1184,10 +1239,18 @@ def check_machine_holds(cfg, n_params, world_size, local_world_size):
 
 # --------------------------------------------------------------------------------------------
 # Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/, written under a temporary name and renamed
-# once every rank has finished, so a folder named step_<N> is always complete.
+# once every rank has finished, so a folder named step_<N> is always complete. Its manifest.json
+# holds a SHA-256 checksum of every other file, checked before any tensor is loaded.
 # --------------------------------------------------------------------------------------------
+MANIFEST = "manifest.json"
+HASH_CHUNK = 64 << 20
+RUN_LOCK = "trainer.lock"
+LOCK_HEARTBEAT_S = 30
+LOCK_STALE_S = 300                  # a lock whose heartbeat is this old, held on another host, is abandoned
+
+
 def checkpoint_steps(run_dir):
-    """Steps of the complete checkpoints of a run, oldest first (step_N.tmp folders are not complete)."""
+    """Steps of the step_N folders of a run, oldest first (step_N.tmp folders are not complete)."""
     return sorted(int(m.group(1)) for name in os.listdir(run_dir) if (m := re.fullmatch(r"step_(\d+)", name)))
 
 
@@ -1202,6 +1265,126 @@ def model_and_optimizer_state(model, optimizer, full):
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
 
+def hash_threads():
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def file_checksum(path):
+    """Size and SHA-256 of the SHA-256 digests of the file's 64 MiB chunks: the chunks hash on parallel
+    threads (hashlib releases the GIL). SHA-256, not blake2b: CPUs with SHA extensions hash it 2x faster."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as file, ThreadPoolExecutor(hash_threads()) as pool:
+        def digest(offset):
+            return hashlib.sha256(os.pread(file.fileno(), HASH_CHUNK, offset)).digest()
+        digests = pool.map(digest, range(0, size, HASH_CHUNK))
+        return {"size": size, "sha256": hashlib.sha256(b"".join(digests)).hexdigest()}
+
+
+def own_files(folder, rank):
+    """The files of a checkpoint this rank wrote: its DCP shards and RNG file; rank 0 also the shared ones."""
+    per_rank = re.compile(r"__(\d+)_\d+\.distcp|rank(\d+)\.pt")
+    return sorted(name for name in os.listdir(folder) if name != MANIFEST and (
+        (m := per_rank.fullmatch(name)) and str(rank) in m.groups() or not m and rank == 0))
+
+
+def save_error(error):
+    """One line for a failed write. DCP's CheckpointException holds each rank's error with its traceback."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def space_left(path):
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+def save_errors():
+    """What a failed write raises: OSError, RuntimeError from torch.save, CheckpointException (a
+    BaseException) from DCP, SafetensorError from the export."""
+    from safetensors import SafetensorError
+    from torch.distributed.checkpoint import CheckpointException
+
+    return OSError, RuntimeError, CheckpointException, SafetensorError
+
+
+def lock_is_stale(holder, age):
+    """The holder is gone: the same SLURM job, requeued; or it ran on this host and its pid is dead;
+    or, on another host, its heartbeat stopped."""
+    if holder.get("job_id") and holder["job_id"] == os.environ.get("SLURM_JOB_ID"):
+        return True
+    if holder.get("host") == socket.gethostname():
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, run by another user
+            return False
+        return False
+    return age > LOCK_STALE_S
+
+
+def take_run_lock(run_dir):
+    """One trainer per run: rank 0 holds <run_dir>/trainer.lock (host, pid, SLURM job id), its mtime
+    refreshed as a heartbeat. Returns the lock's path; a live holder is a ConfigError naming it."""
+    path = os.path.join(run_dir, RUN_LOCK)
+    mine = f"{path}.{socket.gethostname()}.{os.getpid()}"
+    with open(mine, "w") as file:
+        json.dump({"host": socket.gethostname(), "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID")},
+                  file)
+    try:
+        while True:
+            try:
+                os.link(mine, path)  # atomic, and fails if the lock exists, also on NFS
+                break
+            except FileExistsError:
+                pass
+            try:
+                with open(path) as file:
+                    holder = json.load(file)
+                age = time.time() - os.path.getmtime(path)
+            except FileNotFoundError:  # released meanwhile
+                continue
+            except (OSError, ValueError):
+                holder, age = {}, 0.0
+            if not lock_is_stale(holder, age):
+                job = f", SLURM job {holder['job_id']}" if holder.get("job_id") else ""
+                raise ConfigError(f"run {run_dir} is already being trained by pid {holder.get('pid', '?')} "
+                                  f"on {holder.get('host', '?')}{job} (lock {path}); wait for it to finish, "
+                                  f"or set another --run_name or --checkpoint_dir")
+            try:  # the rename lets only one of several launches take a stale lock over
+                os.rename(path, mine + ".stale")
+            except FileNotFoundError:
+                continue
+            os.remove(mine + ".stale")
+            print(f"taking over the lock of run {run_dir} from pid {holder.get('pid', '?')} on "
+                  f"{holder.get('host', '?')}, which is gone", flush=True)
+    finally:
+        os.remove(mine)
+
+    def heartbeat():
+        while True:
+            time.sleep(LOCK_HEARTBEAT_S)
+            try:
+                os.utime(path)
+            except OSError:
+                pass
+    threading.Thread(target=heartbeat, daemon=True).start()
+    return path
+
+
+def release_run_lock(path):
+    try:
+        with open(path) as file:
+            if json.load(file)["pid"] == os.getpid():
+                os.remove(path)
+    except (OSError, ValueError, KeyError):
+        pass
+
+
 class Checkpointer:
     """Saves and restores everything an exact resume needs: model, optimizer, schedule, step, tokens
     seen, data position, RNG states and the config. Tensors go through torch.distributed.checkpoint;
@@ -1211,9 +1394,31 @@ class Checkpointer:
     def __init__(self, cfg, rank, world_size):
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name)
-        self.pending = None  # (future, temporary folder, final folder) of an async save still writing
+        self.pending = None  # (future of (error, checksums), temporary folder, final folder) of an async save
         # Background saves talk over their own group so they never interleave with training collectives.
         self.group = dist.new_group(backend="gloo") if cfg.async_checkpoint else None
+        self.hasher = ThreadPoolExecutor(1) if cfg.async_checkpoint else None
+
+    def gather(self, value):
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
+    def checksums(self, temporary):
+        """(None, this rank's files' checksums), or (the error, None)."""
+        try:
+            return None, {name: file_checksum(os.path.join(temporary, name))
+                          for name in own_files(temporary, self.rank)}
+        except OSError as error:
+            return save_error(error), None
+
+    def written(self, future, temporary):
+        """The outcome of a background save, then the checksums of its files: runs on the hasher thread."""
+        try:
+            future.result()
+        except save_errors() as error:
+            return save_error(error), None
+        return self.checksums(temporary)
 
     def save(self, step, model, optimizer, scheduler, batches, trainer_state):
         import torch.distributed.checkpoint as dcp
@@ -1221,19 +1426,25 @@ class Checkpointer:
         self.finish()
         final = os.path.join(self.run_dir, f"step_{step}")
         temporary = final + ".tmp"
-        try:
-            if self.rank == 0:
+        error = None
+        if self.rank == 0:
+            try:
                 shutil.rmtree(temporary, ignore_errors=True)  # left by a save that was killed
                 os.makedirs(temporary)
-            dist.barrier()
-            full = self.cfg.ckpt_format == "full"
-            model_state, optimizer_state = model_and_optimizer_state(model, optimizer, full)
-            state = {"model": model_state, "optimizer": optimizer_state}
+            except OSError as failure:
+                error = save_error(failure)
+        if problem := next(filter(None, self.gather(error)), None):
+            self.abandon(temporary, problem)
+        full = self.cfg.ckpt_format == "full"
+        model_state, optimizer_state = model_and_optimizer_state(model, optimizer, full)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        try:
             if full:
                 if self.rank == 0:
                     torch.save(state, os.path.join(temporary, "state_dict.pt"))
             elif self.cfg.async_checkpoint:
-                self.pending = (dcp.async_save(state, checkpoint_id=temporary, process_group=self.group), temporary, final)
+                future = dcp.async_save(state, checkpoint_id=temporary, process_group=self.group)
+                self.pending = (self.hasher.submit(self.written, future, temporary), temporary, final)
             else:
                 dcp.save(state, checkpoint_id=temporary)
             # The data position is per rank for streams; RNG states are per rank always.
@@ -1243,37 +1454,112 @@ class Checkpointer:
                                  "data": batches.state_dict()}
                 with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
                     json.dump(trainer_state, f, indent=1)
-        except OSError as error:
-            self.abandon(temporary, error)
+        except save_errors() as failure:
+            error = save_error(failure)
         if self.pending is None:
-            self.publish(temporary, final)
+            self.publish(temporary, final, (error, None) if error else self.checksums(temporary))
+        elif problem := next(filter(None, self.gather(error)), None):
+            self.abandon(temporary, problem)
 
     def finish(self):
-        """Waits for a background save, then publishes it."""
+        """Waits for a background save and its checksums, then publishes it."""
         if self.pending is not None:
-            future, temporary, final = self.pending
+            outcome, temporary, final = self.pending
             self.pending = None
+            self.publish(temporary, final, outcome.result())
+
+    def publish(self, temporary, final, outcome):
+        """outcome: this rank's (error, checksums). Rank 0 writes the manifest of every rank's files, then
+        renames the folder: a step_N folder with a manifest is complete."""
+        outcomes = self.gather(outcome)
+        problem = next((error for error, _ in outcomes if error), None)
+        if problem is None and self.rank == 0:
             try:
-                future.result()
+                files = {name: checksum for _, checksums in outcomes for name, checksum in checksums.items()}
+                with open(os.path.join(temporary, MANIFEST), "w") as f:
+                    json.dump({"files": files}, f, indent=1)
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(temporary, final)
             except OSError as error:
-                self.abandon(temporary, error)
-            self.publish(temporary, final)
+                problem = save_error(error)
+            else:
+                kept = self.cfg.keep_last
+                for old in checkpoint_steps(self.run_dir)[:-kept] if kept else []:
+                    shutil.rmtree(os.path.join(self.run_dir, f"step_{old}"), ignore_errors=True)
+                print(f"checkpoint saved: {final}", flush=True)
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            self.abandon(temporary, verdict[0])
 
-    def publish(self, temporary, final):
-        dist.barrier()
-        if self.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(temporary, final)
-            for old in checkpoint_steps(self.run_dir)[: -self.cfg.keep_last] if self.cfg.keep_last else []:
-                shutil.rmtree(os.path.join(self.run_dir, f"step_{old}"), ignore_errors=True)
-            print(f"checkpoint saved: {final}", flush=True)
-        dist.barrier()
-
-    def abandon(self, temporary, error):
+    def abandon(self, temporary, problem):
+        """Every rank comes here together: removes the folder of the failed save and exits, rank 0 naming
+        the cause and the checkpoint that is kept."""
+        if self.pending is not None:
+            self.pending[0].result()  # the background writer must be done before its folder goes
+            self.pending = None
+        if self.rank != 0:
+            sys.exit(2)
         shutil.rmtree(temporary, ignore_errors=True)
         previous = newest_checkpoint(self.run_dir)
         kept = f"the previous checkpoint {previous} is untouched" if previous else "there is no earlier checkpoint"
-        fail(f"writing checkpoint {temporary} failed ({error}); {kept}. Free space or fix permissions, then relaunch")
+        fail(f"writing checkpoint {temporary} failed ({problem}; {space_left(self.run_dir)}); {kept}. "
+             f"Free space or fix permissions, then relaunch")
+
+    def problem(self, path):
+        """None if path is a complete checkpoint whose files all match their checksums, else the first
+        problem found. The ranks share the files out and hash them in parallel."""
+        problem, files = None, {}
+        try:
+            with open(os.path.join(path, MANIFEST)) as f:
+                files = json.load(f)["files"]
+            if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+                problem = "no trainer_state.json (a save cut short)"
+        except FileNotFoundError:
+            problem = f"no {MANIFEST} (a save cut short, or written before checkpoints had checksums)"
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            problem = f"unreadable {MANIFEST} ({save_error(error)})"
+        for name in sorted(files)[self.rank::self.world_size] if problem is None else []:
+            file = os.path.join(path, name)
+            try:
+                checksum = file_checksum(file)
+            except FileNotFoundError:
+                problem = f"{file} is missing"
+            except OSError as error:
+                problem = f"{file} is unreadable ({error.strerror})"
+            else:
+                if checksum["size"] != files[name]["size"]:
+                    problem = (f"{file} has {checksum['size']} bytes instead of {files[name]['size']} "
+                               f"(truncated?)")
+                elif checksum != files[name]:
+                    problem = f"{file} does not match its checksum (corrupt)"
+            if problem:
+                break
+        return next(filter(None, self.gather(problem)), None)
+
+    def choose(self, resume_from):
+        """The checkpoint to resume from: resume_from, else the newest of the run; one that is incomplete
+        or corrupt is skipped for the one before it. None for a fresh run; exit 2 if none is usable."""
+        run_dir = os.path.dirname(os.path.normpath(resume_from)) or "." if resume_from else self.run_dir
+        candidates = [os.path.normpath(os.path.join(run_dir, f"step_{step}"))
+                      for step in reversed(checkpoint_steps(run_dir))]
+        if resume_from:
+            newest = os.path.normpath(resume_from)
+            older = candidates[candidates.index(newest) + 1:] if newest in candidates else []
+            candidates = [newest] + older
+        for index, path in enumerate(candidates):
+            problem = self.problem(path)
+            if problem is None:
+                return path
+            if self.rank == 0:
+                following = (f"falling back to {candidates[index + 1]}" if index + 1 < len(candidates)
+                             else "no earlier checkpoint is left")
+                print(f"warning: checkpoint {path} is unusable: {problem}; {following}", flush=True)
+        if candidates:
+            message = (f"no usable checkpoint to resume from ({', '.join(candidates)}); delete them to start "
+                       f"over, or set another --run_name")
+            fail(message) if self.rank == 0 else sys.exit(2)
+        return None
 
     def load(self, path, model, optimizer, scheduler, shape, batches):
         """Restores a checkpoint written by save(); returns its trainer state."""
@@ -1333,28 +1619,41 @@ def restore_rng_states(states):
 
 def save_export(model, tokenizer, path):
     """A transformers folder (safetensors, config and the tokenizer of real data) that from_pretrained(path)
-    loads with no code from this repo; written beside path and renamed once complete."""
-    temporary = f"{path}.{os.getpid()}.tmp"
+    loads with no code from this repo; written beside path and renamed once complete, removed if not."""
+    temporary = path + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
-    model.tie_weights()
-    model.save_pretrained(temporary)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(temporary)
+    try:
+        model.tie_weights()
+        model.save_pretrained(temporary)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(temporary)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
     shutil.rmtree(path, ignore_errors=True)
     os.rename(temporary, path)
     print(f"model exported: {path}", flush=True)
 
 
 def export_pretrained(model, config, tokenizer, path, rank):
-    """The final weights of the training model, gathered on rank 0, as a transformers folder."""
+    """The final weights of the training model, gathered on rank 0, as a transformers folder. A failed write
+    is one line, and every rank exits."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    problem = [None]
     if rank == 0:
-        plain = build_meta_model(config)
-        plain.load_state_dict(state, assign=True)
-        save_export(plain, tokenizer, path)
-    dist.barrier()
+        try:
+            plain = build_meta_model(config)
+            plain.load_state_dict(state, assign=True)
+            save_export(plain, tokenizer, path)
+        except save_errors() as error:
+            problem = [f"writing the export {path}.tmp failed ({save_error(error)}; "
+                       f"{space_left(os.path.dirname(path))}); the checkpoints are untouched. "
+                       f"Free space, then relaunch to export"]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        fail(problem[0]) if rank == 0 else sys.exit(2)
 
 
 def export_checkpoint(path, destination):
@@ -1877,8 +2176,14 @@ class StopSignals:
             os._exit(128 + number)
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def fail(message):
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print("\n".join(f"error: {line}" for line in str(message).splitlines()), file=sys.stderr, flush=True)
     sys.exit(2)
 
 
@@ -1912,13 +2217,14 @@ def main(argv):
         check_config(cfg, shape, world_size)
         if not cfg.dry_run and not cfg.prepare_only:
             check_trackers(cfg)
-    except ConfigError as error:
-        fail(error)
+    except ConfigError as error:  # every rank finds the same error: rank 0 alone says it
+        fail(error) if os.environ.get("RANK", "0") == "0" else sys.exit(2)
     if cfg.prepare_only:
         if source[0] not in ("hub", "local"):
             fail(f"--prepare_only prepares wikitext or a local path; --data={cfg.data} needs no preparation")
         try:
             if int(os.environ.get("RANK", 0)) == 0:  # under torchrun, one process is enough
+                writable_folder("--data_cache", cfg.data_cache)
                 prepare_token_files(cfg, *source, tokenizer)
         except ConfigError as error:
             fail(error)
@@ -1935,19 +2241,26 @@ def main(argv):
 
     signals = StopSignals()
     run_dir = os.path.join(cfg.checkpoint_dir, cfg.run_name)
+    try:  # before any process group or model: a folder we cannot write to would fail later, after hours
+        writable_folder("--checkpoint_dir", cfg.checkpoint_dir)
+        writable_folder("--log_dir", cfg.log_dir)
+        if source[0] != "dummy":
+            writable_folder("--data_cache", cfg.data_cache)
+    except ConfigError as error:  # once per node: a folder may be missing on one node only
+        fail(error) if os.environ.get("LOCAL_RANK", "0") == "0" else sys.exit(2)
     log_run_dir = os.path.join(cfg.log_dir, cfg.run_name)  # the run's folder: logs, config, curves, diagnostics
-    for option, folder in (("checkpoint_dir", run_dir), ("log_dir", log_run_dir)):
-        try:  # before any process group or model: a folder we cannot write to would fail the first save
-            os.makedirs(folder, exist_ok=True)
-            with tempfile.TemporaryFile(dir=folder):
-                pass
-        except OSError as error:
-            fail(f"--{option}={getattr(cfg, option)} is not writable ({error.strerror}); "
-                 f"point it at a writable shared folder")
+    os.makedirs(run_dir, exist_ok=True)
+    os.makedirs(log_run_dir, exist_ok=True)
+    lock = None
+    if os.environ.get("RANK", "0") == "0":  # before the process group: a second launch stops here
+        try:
+            lock = take_run_lock(run_dir)
+        except ConfigError as error:
+            fail(error)
     start_time = time.perf_counter()
-    if "RANK" not in os.environ:  # a plain `python train.py`: a process group of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"))
+    if "RANK" not in os.environ:  # a plain `python train.py`: a process group of one, on a free port
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if torch.cuda.is_available():
         # Segments that grow in place instead of new blocks: less fragmentation as sequence shapes and
@@ -2015,7 +2328,7 @@ def main(argv):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
     checkpointer = Checkpointer(cfg, rank, world_size)
     start_step, tokens_seen, elapsed_before = 0, 0, 0.0
-    resume_path = cfg.resume_from or newest_checkpoint(checkpointer.run_dir)
+    resume_path = checkpointer.choose(cfg.resume_from)
     if resume_path:
         trainer_state = checkpointer.load(resume_path, model, optimizer, scheduler, shape, batches)
         start_step, tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
@@ -2109,6 +2422,8 @@ def main(argv):
             print(f"curves: {curves}", flush=True)
     dist.barrier()  # a rank leaving while gloo still talks to it aborts the other
     dist.destroy_process_group()
+    if lock:
+        release_run_lock(lock)
     return STOPPED_BY_SIGNAL if stopped else 0
 
 

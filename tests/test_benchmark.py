@@ -417,9 +417,16 @@ def unwritable_folder(tmp_path: Path) -> Path:
     return folder
 
 
+def a_file(tmp_path: Path) -> Path:
+    path = tmp_path / "file"
+    path.write_text("")
+    return path
+
+
 @pytest.mark.parametrize("arguments, message", [
     (lambda tmp: ["--storage_path", str(tmp / "missing")], "--storage_path {tmp}/missing: no such folder"),
     (lambda tmp: ["--storage_path", str(unwritable_folder(tmp))], "cannot write there"),
+    (lambda tmp: ["--storage_path", str(a_file(tmp))], "--storage_path {tmp}/file is a file, not a folder"),
     (lambda tmp: ["--storage_path", str(tmp), "--storage_MiB", str(10**9)], "the storage test needs"),
     (lambda tmp: ["--storage_path", str(tmp), "--storage_MiB", "2", "--storage_workers", "8"], "each worker writes whole 1 MiB blocks"),
     (lambda tmp: ["--skip", "storage", "--memory_MiB", "1"], "it would measure cache, not memory"),

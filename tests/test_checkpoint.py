@@ -1,9 +1,15 @@
+import json
+import os
+import shutil
 import signal
+import socket
+import subprocess
+import time
 
 import pytest
 import torch
 
-from conftest import TINY, launch, read_metrics, run_until
+from conftest import REPO, TINY, launch, read_metrics, run_until, torchrun_command
 
 RUN = [*TINY, "--max_steps=30", "--run_name=exact", "--checkpoint_every=10"]
 
@@ -77,10 +83,14 @@ def test_full_format_and_export_load_without_this_repo(tmp_path):
                                   "--run_name=full", "--ckpt_format=full"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 6" in resumed.stdout
+    zero_bytes(tmp_path / "full" / "step_8" / "state_dict.pt", 4096, 4096)
     changed = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=9",
                                   "--run_name=full", "--n_embd=128"], nproc=0)
     assert changed.returncode == 2
     assert "has another model shape (n_embd 256 -> 128)" in changed.stderr
+    step_8 = tmp_path / "full" / "step_8"
+    assert (f"warning: checkpoint {step_8} is unusable: {step_8}/state_dict.pt does not match its checksum "
+            f"(corrupt); falling back to {tmp_path}/full/step_6") in changed.stdout
 
 
 def test_non_finite_steps_are_skipped_then_stop(tmp_path):
@@ -99,3 +109,183 @@ def test_unwritable_checkpoint_dir_is_refused_before_training(tmp_path):
     result = launch("train.py", [f"--checkpoint_dir={blocker}/sub", *TINY], nproc=0)
     assert result.returncode == 2
     assert f"--checkpoint_dir={blocker}/sub is not writable" in result.stderr
+
+
+def error_lines(stderr):
+    """train.py's own error lines, not torchrun's report of the failed worker."""
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def zero_bytes(path, offset, count):
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        file.write(bytes(count))
+
+
+def copy_of_run(uninterrupted, tmp_path):
+    shutil.copytree(uninterrupted[0] / "exact", tmp_path / "exact")
+    return tmp_path / "exact"
+
+
+def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint(uninterrupted, tmp_path):
+    run_dir = copy_of_run(uninterrupted, tmp_path)
+    shard = run_dir / "step_30" / "__1_0.distcp"
+    zero_bytes(shard, shard.stat().st_size // 2, 64 << 10)  # 64 KiB inside the weights
+    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (f"warning: checkpoint {run_dir}/step_30 is unusable: {shard} does not match its checksum "
+            f"(corrupt); falling back to {run_dir}/step_20\n") in result.stdout
+    assert f"resumed from {run_dir}/step_20 at step 20" in result.stdout
+    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path)}
+    assert sorted(losses) == list(range(21, 31))
+    assert [losses[s] for s in range(21, 31)] == [uninterrupted[1][s] for s in range(21, 31)]
+
+
+def truncate(path):
+    os.truncate(path, path.stat().st_size // 2)
+
+
+@pytest.mark.parametrize("damage, resume_from, message", [
+    (lambda step: truncate(step / "__0_0.distcp"), False, "__0_0.distcp has {size} bytes instead of"),
+    (lambda step: (step / "trainer_state.json").unlink(), False, "no trainer_state.json (a save cut short)"),
+    (lambda step: (step / "manifest.json").write_text("{"), False, "unreadable manifest.json"),
+    (lambda step: (step / ".metadata").unlink(), True, "step_30/.metadata is missing"),
+])
+def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupted, tmp_path, damage,
+                                                                    resume_from, message):
+    run_dir = copy_of_run(uninterrupted, tmp_path)
+    size = (run_dir / "step_30" / "__0_0.distcp").stat().st_size // 2
+    damage(run_dir / "step_30")
+    resume = [f"--resume_from={run_dir}/step_30"] if resume_from else []
+    # One process resuming the 2-process run for one step: enough to see which checkpoint it took.
+    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN,
+                                 "--max_steps=21", *resume], nproc=0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warning = next(line for line in result.stdout.splitlines() if line.startswith("warning:"))
+    assert warning.startswith(f"warning: checkpoint {run_dir}/step_30 is unusable: ")
+    assert message.format(size=size) in warning and warning.endswith(f"falling back to {run_dir}/step_20")
+    assert f"resumed from {run_dir}/step_20 at step 20" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_no_usable_checkpoint_left_stops_naming_them(uninterrupted, tmp_path):
+    run_dir = copy_of_run(uninterrupted, tmp_path)
+    for step in (10, 20, 30):
+        (run_dir / f"step_{step}" / "manifest.json").unlink()
+    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN], nproc=0)
+    assert result.returncode == 2
+    assert len(error_lines(result.stderr)) == 1, result.stderr
+    assert result.stdout.count("no manifest.json (a save cut short, or written before checkpoints had") == 3
+    steps = ", ".join(f"{run_dir}/step_{step}" for step in (30, 20, 10))
+    assert f"error: no usable checkpoint to resume from ({steps})" in result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()  # stopped before training
+
+
+def write_lock(run_dir, age_s=0.0, **holder):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = run_dir / "trainer.lock"
+    lock.write_text(json.dumps(holder))
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return lock
+
+
+def test_two_launches_of_one_run_at_once_one_is_refused(tmp_path):
+    args = [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=8",
+            "--run_name=twice"]
+    launches = [subprocess.Popen(torchrun_command("train.py", args, 0), cwd=REPO, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(process.wait(timeout=300), *process.communicate()) for process in launches]
+    assert sorted(code for code, _, _ in results) == [0, 2], results
+    refused = sorted(results)[1][2]
+    assert len(error_lines(refused)) == 1 and "Traceback" not in refused, refused
+    assert f"error: run {tmp_path}/twice is already being trained by pid " in refused
+    assert f"on {socket.gethostname()} (lock {tmp_path}/twice/trainer.lock)" in refused
+    assert len(read_metrics(tmp_path)) == 8  # the refused launch wrote no rows
+    assert not (tmp_path / "twice" / "trainer.lock").exists()  # released at the end
+
+
+def test_lock_of_a_killed_run_is_taken_over(tmp_path):
+    args = [f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=4", "--run_name=killed",
+            "--checkpoint_every=2"]
+    process = subprocess.Popen(torchrun_command("train.py", [f"--log_dir={tmp_path}", *args], 0), cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in process.stdout:
+        if line.startswith("checkpoint saved:"):
+            process.kill()
+            break
+    process.wait(timeout=60)
+    lock = json.loads((tmp_path / "killed" / "trainer.lock").read_text())
+    assert lock["pid"] == process.pid and lock["host"] == socket.gethostname()
+    result = launch("train.py", [f"--log_dir={tmp_path}", *args], nproc=0)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"taking over the lock of run {tmp_path}/killed from pid {process.pid}" in result.stdout
+    assert "resumed from" in result.stdout
+
+
+def test_lock_on_another_host_is_refused_until_requeued_or_its_heartbeat_stops(tmp_path):
+    args = [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=1",
+            "--run_name=shared"]
+    holder = dict(host="node-b", pid=4242, job_id="77")
+    write_lock(tmp_path / "shared", **holder)
+    refused = launch("train.py", args, env={"SLURM_JOB_ID": "78"})  # torchrun, 2 processes
+    assert refused.returncode != 0
+    assert len(error_lines(refused.stderr)) == 1, refused.stderr  # rank 0 alone checks it
+    lock = tmp_path / "shared" / "trainer.lock"
+    assert f"already being trained by pid 4242 on node-b, SLURM job 77 (lock {lock})" in refused.stderr
+    requeued = launch("train.py", args, nproc=0, env={"SLURM_JOB_ID": "77"})
+    assert requeued.returncode == 0, requeued.stderr[-3000:]
+    assert "taking over the lock" in requeued.stdout
+    write_lock(tmp_path / "shared", age_s=3600, **holder)
+    silent = launch("train.py", args, nproc=0)
+    assert silent.returncode == 0, silent.stderr[-3000:]
+    assert "taking over the lock" in silent.stdout
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a given size in MiB, unmounted afterwards; skipped where mounting is not permitted."""
+    mounted = []
+
+    def mount(size_mib):
+        folder = tmp_path / "disk"
+        folder.mkdir()
+        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(folder)],
+                                capture_output=True, text=True)
+        if result.returncode:
+            pytest.skip(f"cannot mount a tmpfs ({result.stderr.strip() or 'not permitted'}): needs root")
+        mounted.append(folder)
+        return folder
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+# A tiny checkpoint takes 22 MB and its export 7 MB: 30 MiB fit one checkpoint, not two.
+@pytest.mark.parametrize("args, nproc", [
+    (["--ckpt_format=sharded"], 2),
+    (["--ckpt_format=sharded", "--async_checkpoint=True"], 2),
+    (["--ckpt_format=full"], 0),
+])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp_path, args, nproc):
+    disk = small_disk(30)
+    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={disk}", *TINY, "--max_steps=4",
+                                 "--checkpoint_every=2", "--run_name=full_disk", *args], nproc=nproc)
+    assert result.returncode != 0
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1 and "train.py\", line" not in result.stderr, result.stderr
+    assert errors[0].startswith(f"error: writing checkpoint {disk}/full_disk/step_4.tmp failed (")
+    assert f"MiB free there); the previous checkpoint {disk}/full_disk/step_2 is untouched." in errors[0]
+    assert sorted(p.name for p in (disk / "full_disk").iterdir() if p.name.startswith("step")) == ["step_2"]
+
+
+def test_disk_full_during_the_export_leaves_no_half_written_model(small_disk, tmp_path):
+    disk = small_disk(26)
+    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={disk}", *TINY, "--max_steps=2",
+                                 "--run_name=full_disk"])
+    assert result.returncode != 0
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1 and "train.py\", line" not in result.stderr, result.stderr
+    assert f"error: writing the export {disk}/full_disk/final_model.tmp failed (" in result.stderr
+    assert not (disk / "full_disk" / "final_model").exists()
+    assert not (disk / "full_disk" / "final_model.tmp").exists()
+    assert (disk / "full_disk" / "step_2" / "manifest.json").exists()

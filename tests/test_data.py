@@ -190,7 +190,7 @@ def test_hub_source_without_network_or_prepared_tokens_names_the_prepare_command
 def write_files(root, layout):
     for name, text in layout.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
+        (root / name).write_bytes(text) if isinstance(text, bytes) else (root / name).write_text(text)
 
 
 @pytest.mark.parametrize("layout, args, message", [
@@ -201,6 +201,15 @@ def write_files(root, layout):
      "--text_column=content is not a column of --data=docs; columns: body"),
     ({"mixed/a.txt": "x\n", "mixed/b.jsonl": '{"text": "y"}\n'}, ["--data=mixed"], "mixes .jsonl, .txt"),
     ({"ok.txt": "the cat sees a dog .\n"}, ["--data=ok.txt", "--vocab_size=50"], "tokens, more than --vocab_size=50"),
+    # 21 bytes of the first line and "caf", then é in Latin-1
+    ({"latin.txt": "the cat sees a dog .\ncafé\n".encode("latin-1")}, ["--data=latin.txt"],
+     "latin.txt is not UTF-8 text (invalid byte at offset 24)"),
+    ({"bin/train.txt": bytes(range(256)) * 4}, ["--data=bin"],
+     "train.txt is not UTF-8 text (invalid byte at offset 128)"),
+    ({"ok.txt": "the cat sees a dog .\n"}, ["--data=ok.txt", "--tokenizer=./no_tokenizer"],
+     "--tokenizer=./no_tokenizer: no such folder"),
+    ({"ok.txt": "the cat sees a dog .\n"}, ["--data=ok.txt", "--data_cache=ok.txt/cache"],
+     "--data_cache=ok.txt/cache is not writable"),
 ])
 def test_bad_corpus_is_one_clear_line(tmp_path, tokenizer_dir, layout, args, message, capsys, monkeypatch):
     write_files(tmp_path, layout)

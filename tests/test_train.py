@@ -56,6 +56,16 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(train, tmp_pat
     (["--sharding=zero3"], {}, "--sharding=zero3 is not one of: full, grad_op, hybrid"),
     (["--model=gpt3"], {}, "--model=gpt3 is not a preset"),
     (["batch_size=4"], {}, "options are written --name=value"),
+    (["--lr=inf"], {}, "--lr expects a finite number, got 'inf'"),
+    (["--min_lr=nan"], {}, "--min_lr expects a finite number, got 'nan'"),
+    (["--eval_every=-1"], {}, "--eval_every must not be negative (0: never), got -1"),
+    (["--val_fraction=1.5"], {}, "--val_fraction must lie between 0 and 1, got 1.5"),
+    (["--keep_last=-1"], {}, "--keep_last must not be negative, got -1"),
+    (["--init_from=./no_such_model"], {}, "--init_from=./no_such_model: no such folder"),
+    (["--init_from=/no/such/model"], {}, "--init_from=/no/such/model: no such folder"),
+    (["--model=tiny", "--log_dir=/proc/logs"], {}, "--log_dir=/proc/logs is not writable"),
+    (["--model=tiny", "--data=train.py", "--data_cache=/proc/cache", "--tokenizer=./no_tokenizer"], {},
+     "--tokenizer=./no_tokenizer: no such folder"),
 ])
 def test_bad_input_is_one_clear_line(args, env, message, capsys, monkeypatch):
     """Checked in-process: the error must come before any process group or model exists."""
@@ -77,3 +87,31 @@ def test_help_lists_every_option_with_its_default_and_comment(capsys):
     out = capsys.readouterr().out
     assert "global_batch_size: int = 256        # sequences per optimizer step" in out
     assert all(f"\n{name}:" in out for name in ("model", "data", "sharding", "checkpoint_every", "dry_run"))
+
+
+def test_each_invalid_option_is_its_own_line(capsys):
+    import train as train_script
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main(["--batch_size=0", "--warmup_steps=-1", "--grad_clip=-2"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines() == ["error: --batch_size must be positive, got 0",
+                                                    "error: --warmup_steps must not be negative, got -1",
+                                                    "error: --grad_clip must not be negative, got -2.0"]
+
+
+def test_config_error_under_torchrun_is_printed_once(train, tmp_path):
+    result = train(tmp_path, *TINY, "--lr=inf", expect_ok=False)
+    assert result.returncode != 0
+    assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
+        "error: --lr expects a finite number, got 'inf'"]
+
+
+def test_plain_run_picks_a_free_port(train, tmp_path):
+    """Without MASTER_PORT a plain `python train.py` finds a free port: the old fixed one may be taken."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 29517))
+        taken.listen()
+        train(tmp_path, *TINY, "--max_steps=1", nproc=0, env={"MASTER_PORT": ""})  # launch() would set one
