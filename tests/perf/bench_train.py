@@ -46,7 +46,7 @@ def main():
     parser.add_argument("--model", default=None, help="a train.py preset; default: tiny on CPU, 4b on GPU")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--checkpointing", default="full")
+    parser.add_argument("--checkpointing", default="op", help="activation_checkpointing (default: train.py's)")
     options = parser.parse_args()
     import torch
 
