@@ -95,7 +95,7 @@ max_bad_steps: int = 5              # stop after this many non-finite steps in a
 log_every: int = 10
 log_dir: str = "logs"
 tensorboard: bool = True            # <log_dir>/<run_name>/tensorboard
-wandb: str | None = None            # a W&B project to log to as well (pip install wandb); None: off
+wandb: str | None = None            # a W&B project to log to as well; None: off
 plot: str | None = None             # a run folder (<log_dir>/<run_name>): write its curves.png, then exit
 export_from: str | None = None      # a step_N checkpoint: write the export_step_N folder beside it, then exit
 dry_run: bool = False               # simulate training steps on fake tensors: peak memory per GPU, FLOPs; no training
@@ -1721,7 +1721,7 @@ def check_trackers(cfg):
         raise ConfigError("--tensorboard=True needs the tensorboard package: pip install -r "
                           "requirements.txt, or pass --tensorboard=False")
     if cfg.wandb and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"--wandb={cfg.wandb} needs the wandb package: pip install wandb, "
+        raise ConfigError(f"--wandb={cfg.wandb} needs the wandb package: pip install -r requirements.txt, "
                           f"or leave --wandb unset")
 
 

@@ -1,5 +1,4 @@
 """Living with a run: its folder, trackers, curves, relaunches, export and sampling, signals, offline hubs."""
-import importlib.util
 import os
 import re
 import signal
@@ -38,11 +37,10 @@ def wandb_records(path):
 
 
 def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_path):
-    with_wandb = importlib.util.find_spec("wandb") is not None  # optional: not in requirements.txt
     report = tmp_path / "benchmark_7.yaml"
     env = {"WANDB_MODE": "offline", "BENCHMARK_REPORT": str(report), "SLURM_JOB_ID": "7"}
     common = [f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ckpt'}",
-              f"--wandb={'fsdp-test' if with_wandb else 'none'}"]
+              "--wandb=fsdp-test"]
     code, output = run_until([*common, *RUN], tmp_path / "logs", 1, signal.SIGTERM, env=env)
     assert code != 0 and "stopped by signal after step" in output, output[-3000:]
 
@@ -63,15 +61,14 @@ def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_pa
     # Both parts went to the W&B run whose id is the run name, with the config: each launch writes its
     # offline folder, and `wandb sync` puts them together.
     runs, steps = set(), []
-    for run_file in (folder / "wandb").glob("offline-run-*/run-life.wandb") if with_wandb else ():
+    for run_file in (folder / "wandb").glob("offline-run-*/run-life.wandb"):
         for record in wandb_records(run_file):
             if record.WhichOneof("record_type") == "run":
                 runs.add((record.run.run_id, record.run.project))
                 assert {item.key for item in record.run.config.update} >= {"model", "max_steps", "run_name"}
             elif record.WhichOneof("record_type") == "history":
                 steps.append(record.history.step.num)
-    if with_wandb:
-        assert runs == {("life", "fsdp-test")} and sorted(steps) == [1, 2, 3, 4, 5, 6], (runs, steps)
+    assert runs == {("life", "fsdp-test")} and sorted(steps) == [1, 2, 3, 4, 5, 6], (runs, steps)
 
     # The saved config replays the run: it has finished, so nothing is done.
     # (W&B is left out from here on: it takes seconds to start, and the parts above tested it.)
