@@ -1185,7 +1185,7 @@ def report_dry_run(cfg, config, shape, n_params, world_size):
     meta_model = build_meta_model(config)
     model_flops = flops_per_token(meta_model, config, cfg.seq_length)
     hardware_flops = hardware_flops_per_token(cfg, meta_model, config, model_flops)
-    print(f"FLOPs per token: {model_flops / 1e9:.2f} G for MFU (6·N + 12·L·H·Q·T), {hardware_flops / 1e9:.2f} G computed "
+    print(f"FLOPs per token: {model_flops / 1e9:.4g} G for MFU (6·N + 12·L·H·Q·T), {hardware_flops / 1e9:.4g} G computed "
           f"with recomputation: at most {model_flops / hardware_flops:.0%} MFU")
     started = time.perf_counter()
     memory = peak_gb(cfg, config, world_size, n_params)
@@ -2311,11 +2311,12 @@ def main(argv):
         fail(error) if master else sys.exit(2)
     total_steps = cfg.max_steps if cfg.max_steps > 0 else cfg.num_epochs * epoch_steps
     tokens_per_step = cfg.global_batch_size * cfg.seq_length
-    newest = newest_checkpoint(run_dir)
-    if not cfg.resume_from and newest and os.path.isdir(os.path.join(run_dir, "final_model")) \
-            and int(newest.rsplit("_", 1)[1]) >= total_steps:
+    checkpointer = Checkpointer(cfg, rank, world_size)
+    resume_path = checkpointer.choose(cfg.resume_from)  # the newest usable checkpoint: checksums checked
+    resume_step = int(resume_path.rsplit("_", 1)[1]) if resume_path else 0
+    if not cfg.resume_from and resume_step >= total_steps and os.path.isdir(os.path.join(run_dir, "final_model")):
         if master:
-            print(f"run {cfg.run_name} already finished at step {newest.rsplit('_', 1)[1]} ({newest}); "
+            print(f"run {cfg.run_name} already finished at step {resume_step} ({resume_path}); "
                   f"nothing to do. Pass --run_name=NEW for a new run, or a larger --max_steps to train on.",
                   flush=True)
         dist.destroy_process_group()
@@ -2336,9 +2337,7 @@ def main(argv):
         model = wrap_ddp(model, device)
     optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
-    checkpointer = Checkpointer(cfg, rank, world_size)
     start_step, tokens_seen, elapsed_before = 0, 0, 0.0
-    resume_path = checkpointer.choose(cfg.resume_from)
     if resume_path:
         trainer_state = checkpointer.load(resume_path, model, optimizer, scheduler, shape, batches)
         start_step, tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]

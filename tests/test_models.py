@@ -135,7 +135,7 @@ def test_config_file_sets_constants_and_flags_override_it(tmp_path, capsys):
     path = write_config(tmp_path, "model: tiny-llama\nbatch_size: 2\nlr: 1e-4\ncompile: false\nn_layer: null\n")
     cfg = train_script.parse_args([f"--config={path}", "--batch_size=4"])
     assert (cfg.model, cfg.batch_size, cfg.lr, cfg.compile) == ("tiny-llama", 4, 1e-4, False)
-    assert train_script.main(["--dry_run", f"--config={path}", "--global_batch_size=8"]) == 0
+    assert train_script.main(["--dry_run", f"--config={path}", "--global_batch_size=8", "--world_size=1"]) == 0
     out = capsys.readouterr().out
     assert "model=tiny-llama" in out and "batch_size=2 " in out and "global_batch_size=8 " in out
 
