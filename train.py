@@ -1171,18 +1171,18 @@ def changes_that_might_fit(cfg):
         yield dict(change, cpu_offload=True)
 
 
-def report_dry_run(cfg, config, shape, n_params, world_size):
+def report_dry_run(cfg, config, shape, meta_model, world_size):
     """Prints the config, the model, the simulated peak memory per GPU, FLOPs per token and a verdict.
     Exit status: 0 fits, 1 does not fit, 2 bad input."""
     try:
         gpu_name, gpu_gb = gpu_memory_gb(cfg.gpu)
     except ConfigError as error:
         fail(error)
+    n_params = sum(p.numel() for p in meta_model.parameters())
     print("config:", " ".join(f"{k}={v}" for k, v in vars(cfg).items()))
     print(f"model: {cfg.init_from or cfg.model} ({type(config).__name__}) n_embd={shape.n_embd} n_layer={shape.n_layer} "
           f"n_head={shape.n_head} n_positions={shape.n_positions} vocab={config.vocab_size}")
     print(f"parameters: {n_params:,} ({n_params / 1e9:.2f}B)")
-    meta_model = build_meta_model(config)
     model_flops = flops_per_token(meta_model, config, cfg.seq_length)
     hardware_flops = hardware_flops_per_token(cfg, meta_model, config, model_flops)
     print(f"FLOPs per token: {model_flops / 1e9:.4g} G for MFU (6·N + 12·L·H·Q·T), {hardware_flops / 1e9:.4g} G computed "
@@ -2242,11 +2242,12 @@ def main(argv):
     config = model_config(shape)
     if tokenizer is not None:
         config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
-    n_params = sum(p.numel() for p in build_meta_model(config).parameters())
+    meta_model = build_meta_model(config)
+    n_params = sum(p.numel() for p in meta_model.parameters())
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
     if cfg.dry_run:
-        return report_dry_run(cfg, config, shape, n_params, world_size)
+        return report_dry_run(cfg, config, shape, meta_model, world_size)
     check_machine_holds(cfg, n_params, world_size, local_world_size)
 
     signals = StopSignals()
