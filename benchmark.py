@@ -26,6 +26,7 @@ STREAM and nccl-tests count them; GB = 1e9 bytes. What each figure means and how
 docs/BENCHMARK_FEATURES.md. Importing this module only defines things, so that train.py can use
 `datasheet()` for MFU.
 """
+
 import argparse
 import difflib
 import functools
@@ -44,7 +45,7 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -59,20 +60,42 @@ SECTIONS = ("gpu", "nccl", "links", "storage", "cpu", "memory")
 # Vendor datasheet peaks per GPU, DENSE (the datasheets print tensor figures with 2:4 sparsity;
 # these are half of those): TFLOPS, HBM bandwidth in GB/s and HBM capacity in GB as printed there
 # (train.py --dry_run judges fit against it; an "80GB" H100 holds 80 GiB, so this errs on the safe
-# side). Matched by substring of torch.cuda.get_device_name() in this order, so the more specific names come first
-# ("GH200" contains "H200", "H100 PCIe" contains "H100"). Sources: docs/BENCHMARK_FEATURES.md.
+# side). Matched by substring of torch.cuda.get_device_name() in this order, so the more specific
+# names come first ("GH200" contains "H200", "H100 PCIe" contains "H100"). Sources:
+# docs/BENCHMARK_FEATURES.md.
 HOPPER = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9}  # SXM, 700 W
 HOPPER_NVL = {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5}  # PCIe card, 350-400 W
 AMPERE = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None}
 DATASHEET = {
-    "GB200": {"fp32": 80.0, "tf32": 1250.0, "bf16": 2500.0, "fp8": 5000.0, "memory_GBps": 8000.0, "memory_GB": 186.0},
-    "B200": {"fp32": 75.0, "tf32": 1100.0, "bf16": 2250.0, "fp8": 4500.0, "memory_GBps": 7700.0, "memory_GB": 180.0},
+    "GB200": {
+        "fp32": 80.0,
+        "tf32": 1250.0,
+        "bf16": 2500.0,
+        "fp8": 5000.0,
+        "memory_GBps": 8000.0,
+        "memory_GB": 186.0,
+    },
+    "B200": {
+        "fp32": 75.0,
+        "tf32": 1100.0,
+        "bf16": 2250.0,
+        "fp8": 4500.0,
+        "memory_GBps": 7700.0,
+        "memory_GB": 180.0,
+    },
     "GH200 144G": {**HOPPER, "memory_GBps": 4900.0, "memory_GB": 144.0},
     "GH200": {**HOPPER, "memory_GBps": 4000.0, "memory_GB": 96.0},
     "H200 NVL": {**HOPPER_NVL, "memory_GBps": 4800.0, "memory_GB": 141.0},
     "H200": {**HOPPER, "memory_GBps": 4800.0, "memory_GB": 141.0},
     "H100 NVL": {**HOPPER_NVL, "memory_GBps": 3900.0, "memory_GB": 94.0},
-    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp8": 1513.0, "memory_GBps": 2000.0, "memory_GB": 80.0},
+    "H100 PCIe": {
+        "fp32": 51.0,
+        "tf32": 378.0,
+        "bf16": 756.0,
+        "fp8": 1513.0,
+        "memory_GBps": 2000.0,
+        "memory_GB": 80.0,
+    },
     "H100": {**HOPPER, "memory_GBps": 3350.0, "memory_GB": 80.0},
     "A100-SXM4-80GB": {**AMPERE, "memory_GBps": 2039.0, "memory_GB": 80.0},
     "A100 80GB PCIe": {**AMPERE, "memory_GBps": 1935.0, "memory_GB": 80.0},
@@ -104,8 +127,15 @@ RATE_UNITS = ("GB/s", "MB/s", "TFLOPS", "GFLOPS", "IOPS", "ops/s", "Melem/s")
 NVLINK4 = {"platform": "H100/H200 SXM, NVLink 4", "all_reduce": 230.0, "all_gather": 180.0}
 NVLINK3 = {"platform": "A100 SXM, NVLink 3", "all_reduce": 120.0, "all_gather": 100.0}
 PCIE_ONLY = {"platform": "PCIe only", "all_reduce": 10.0, "all_gather": 10.0}
-COLLECTIVE_FLOORS = {"GH200": None, "H100 NVL": PCIE_ONLY, "H200 NVL": PCIE_ONLY, "PCIe": PCIE_ONLY,
-                     "H100": NVLINK4, "H200": NVLINK4, "A100-SXM": NVLINK3}
+COLLECTIVE_FLOORS = {
+    "GH200": None,
+    "H100 NVL": PCIE_ONLY,
+    "H200 NVL": PCIE_ONLY,
+    "PCIe": PCIE_ONLY,
+    "H100": NVLINK4,
+    "H200": NVLINK4,
+    "A100-SXM": NVLINK3,
+}
 FLOOR_OPS = ("all_reduce", "all_gather")
 FLOOR_MIN_BYTES = 256 * MiB  # below this, busbw is still climbing: no floor applies
 # Between nodes, one rank per node: NCCL over InfiniBand or RoCE reaches 80-95% of one NIC's line
@@ -116,18 +146,46 @@ INTER_NODE_FLOOR_FRACTION = 0.5
 # GPU figures: gpu_warmup_s of warm-up, then gpu_seconds of back-to-back calls in windows of
 # gpu_window_s; the throttling ratio is the last window's rate over the first's.
 MODES = {
-    "default": dict(matmul_size=8192, nccl_max_MiB=None, storage_MiB=1024, storage_workers=8,
-                    memory_MiB=256, gpu_copy_MiB=1024, gpu_warmup_s=1.0, gpu_seconds=3.0,
-                    gpu_window_s=1.0, cpu_matmul_size=2048,
-                    zlib_MiB=2, sort_Melem=8, cpu_units_per_core=8, repeats=5,
-                    random_read_seconds=1.0, collective_warmup=5, collective_iters=20,
-                    pingpong_iters=50),
-    "quick": dict(matmul_size=4096, nccl_max_MiB=None, storage_MiB=64, storage_workers=4,
-                  memory_MiB=64, gpu_copy_MiB=256, gpu_warmup_s=1.0, gpu_seconds=1.0,
-                  gpu_window_s=0.25, cpu_matmul_size=1024,
-                  zlib_MiB=1, sort_Melem=1, cpu_units_per_core=2, repeats=3,
-                  random_read_seconds=0.2, collective_warmup=1, collective_iters=3,
-                  pingpong_iters=10),
+    "default": dict(
+        matmul_size=8192,
+        nccl_max_MiB=None,
+        storage_MiB=1024,
+        storage_workers=8,
+        memory_MiB=256,
+        gpu_copy_MiB=1024,
+        gpu_warmup_s=1.0,
+        gpu_seconds=3.0,
+        gpu_window_s=1.0,
+        cpu_matmul_size=2048,
+        zlib_MiB=2,
+        sort_Melem=8,
+        cpu_units_per_core=8,
+        repeats=5,
+        random_read_seconds=1.0,
+        collective_warmup=5,
+        collective_iters=20,
+        pingpong_iters=50,
+    ),
+    "quick": dict(
+        matmul_size=4096,
+        nccl_max_MiB=None,
+        storage_MiB=64,
+        storage_workers=4,
+        memory_MiB=64,
+        gpu_copy_MiB=256,
+        gpu_warmup_s=1.0,
+        gpu_seconds=1.0,
+        gpu_window_s=0.25,
+        cpu_matmul_size=1024,
+        zlib_MiB=1,
+        sort_Melem=1,
+        cpu_units_per_core=2,
+        repeats=3,
+        random_read_seconds=0.2,
+        collective_warmup=1,
+        collective_iters=3,
+        pingpong_iters=10,
+    ),
 }
 # Largest collective message by (device, quick): gloo on CPU is ~100x slower than NCCL on NVLink.
 # On GPU, 1 GiB: NVLS all-reduce levels off only above 256 MiB (nccl-tests sweeps to 8 GiB).
@@ -145,11 +203,12 @@ HUGE_PAGE = 2 * MiB
 RANDOM_BLOCK = 4096
 CACHE_MULTIPLE = 4  # STREAM's rule: each array at least 4x the last-level cache
 CPU_WORK_ITERATIONS = 200_000  # one pure-Python work unit, ~10 ms on a current core
+CPU_DEVICE = torch.device("cpu")
 
 
 def datasheet(device_name: str) -> dict | None:
-    """Dense peaks for a GPU name: {"fp32", "tf32", "bf16", "fp8": TFLOPS or None, "memory_GBps", "memory_GB"};
-    None if unknown."""
+    """Dense peaks for a GPU name: {"fp32", "tf32", "bf16", "fp8": TFLOPS or None, "memory_GBps",
+    "memory_GB"}; None if unknown."""
     for name_part, peaks in DATASHEET.items():
         if name_part.lower() in device_name.lower():
             return dict(peaks)
@@ -217,7 +276,7 @@ class Stopwatch:
         return [end - start for start, end in itertools.pairwise(self.marks)]
 
 
-def median_seconds(fn, device=torch.device("cpu"), warmup=1, repeats=5, inner=1) -> float:
+def median_seconds(fn, device=CPU_DEVICE, warmup=1, repeats=5, inner=1) -> float:
     """Median over `repeats` of the seconds one call of `fn` takes (each repeat times `inner`
     back-to-back calls), after `warmup` untimed calls; on a GPU timed by CUDA events on its stream."""
     for _ in range(warmup):
@@ -265,8 +324,12 @@ def sustained(fn, device, warmup_s: float, seconds: float, window_s: float, whil
         while_busy()
     durations = watch.intervals()
     calls = windows * per_window
-    return {"calls_per_s": calls / sum(durations), "throttle_ratio": durations[0] / durations[-1],
-            "seconds": sum(durations), "calls": calls}
+    return {
+        "calls_per_s": calls / sum(durations),
+        "throttle_ratio": durations[0] / durations[-1],
+        "seconds": sum(durations),
+        "calls": calls,
+    }
 
 
 @dataclass
@@ -300,11 +363,16 @@ class World:
 
 # ---------------------------------------------------------------- GPU
 SMI_FIELDS = {
-    "uuid": None, "clocks.sm": "sm_clock_MHz", "clocks.max.sm": "sm_clock_max_MHz",
-    "clocks.mem": "memory_clock_MHz", "temperature.gpu": "temperature_C", "power.draw": "power_W",
+    "uuid": None,
+    "clocks.sm": "sm_clock_MHz",
+    "clocks.max.sm": "sm_clock_max_MHz",
+    "clocks.mem": "memory_clock_MHz",
+    "temperature.gpu": "temperature_C",
+    "power.draw": "power_W",
     "ecc.errors.corrected.volatile.total": "ecc_corrected_errors",
     "ecc.errors.uncorrected.volatile.total": "ecc_uncorrected_errors",
-    "pcie.link.gen.current": "pcie_gen", "pcie.link.width.current": "pcie_width",
+    "pcie.link.gen.current": "pcie_gen",
+    "pcie.link.width.current": "pcie_width",
     "pcie.link.width.max": "pcie_width_max",
 }
 
@@ -320,8 +388,10 @@ def nvidia_smi(uuid: str) -> dict:
         values = [value.strip() for value in line.split(",")]
         if values[0].removeprefix("GPU-") == uuid.removeprefix("GPU-"):
             keys = list(SMI_FIELDS.values())[1:]
-            return {"telemetry": "nvidia-smi",
-                    **{key: as_number(value) for key, value in zip(keys, values[1:])}}
+            return {
+                "telemetry": "nvidia-smi",
+                **{key: as_number(value) for key, value in zip(keys, values[1:])},
+            }
     return {"nvidia_smi": f"GPU {uuid} not listed"}
 
 
@@ -352,21 +422,25 @@ def gpu_telemetry(uuid: str) -> dict:
             return query(handle, *args)
         except pynvml.NVMLError:
             return None  # not supported on this board (ECC on some PCIe cards)
+
     milliwatts = read(pynvml.nvmlDeviceGetPowerUsage)
 
     def ecc(error_type):
         return read(pynvml.nvmlDeviceGetTotalEccErrors, error_type, pynvml.NVML_VOLATILE_ECC)
-    return {"telemetry": "NVML",
-            "sm_clock_MHz": read(pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM),
-            "sm_clock_max_MHz": read(pynvml.nvmlDeviceGetMaxClockInfo, pynvml.NVML_CLOCK_SM),
-            "memory_clock_MHz": read(pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_MEM),
-            "temperature_C": read(pynvml.nvmlDeviceGetTemperature, pynvml.NVML_TEMPERATURE_GPU),
-            "power_W": None if milliwatts is None else milliwatts / 1000,
-            "ecc_corrected_errors": ecc(pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
-            "ecc_uncorrected_errors": ecc(pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
-            "pcie_gen": read(pynvml.nvmlDeviceGetCurrPcieLinkGeneration),
-            "pcie_width": read(pynvml.nvmlDeviceGetCurrPcieLinkWidth),
-            "pcie_width_max": read(pynvml.nvmlDeviceGetMaxPcieLinkWidth)}
+
+    return {
+        "telemetry": "NVML",
+        "sm_clock_MHz": read(pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM),
+        "sm_clock_max_MHz": read(pynvml.nvmlDeviceGetMaxClockInfo, pynvml.NVML_CLOCK_SM),
+        "memory_clock_MHz": read(pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_MEM),
+        "temperature_C": read(pynvml.nvmlDeviceGetTemperature, pynvml.NVML_TEMPERATURE_GPU),
+        "power_W": None if milliwatts is None else milliwatts / 1000,
+        "ecc_corrected_errors": ecc(pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+        "ecc_uncorrected_errors": ecc(pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED),
+        "pcie_gen": read(pynvml.nvmlDeviceGetCurrPcieLinkGeneration),
+        "pcie_width": read(pynvml.nvmlDeviceGetCurrPcieLinkWidth),
+        "pcie_width_max": read(pynvml.nvmlDeviceGetMaxPcieLinkWidth),
+    }
 
 
 # Matmul shapes (M, N, K) tried for each precision: the best shapes the MAMF finder found on A100,
@@ -400,9 +474,11 @@ def matmul_call(kind: str, shape: tuple, device):
 def fastest_shape(kind: str, shapes: list, device) -> tuple:
     """The shape whose median of a few calls gives the most FLOPS (each shape's matrices are freed
     before the next one's are made)."""
+
     def flops(shape):
-        return 2 * math.prod(shape) / median_seconds(matmul_call(kind, shape, device), device, warmup=2,
-                                                      repeats=SHAPE_PROBE_REPEATS)
+        call = matmul_call(kind, shape, device)
+        return 2 * math.prod(shape) / median_seconds(call, device, warmup=2, repeats=SHAPE_PROBE_REPEATS)
+
     return max(shapes, key=flops)
 
 
@@ -411,13 +487,19 @@ def gpu_section(world: World, cfg: dict) -> dict:
         return {"skipped": "no GPU present"}
     device = world.device
     props = torch.cuda.get_device_properties(device)
-    result = {"name": props.name, "memory_GB": round(props.total_memory / GB, 1),
-              "capability": f"{props.major}.{props.minor}"}
-    timing = {"warmup_s": cfg["gpu_warmup_s"], "seconds": cfg["gpu_seconds"],
-              "window_s": min(cfg["gpu_window_s"], cfg["gpu_seconds"] / 2)}  # a first and a last window
+    result = {
+        "name": props.name,
+        "memory_GB": round(props.total_memory / GB, 1),
+        "capability": f"{props.major}.{props.minor}",
+    }
+    timing = {
+        "warmup_s": cfg["gpu_warmup_s"],
+        "seconds": cfg["gpu_seconds"],
+        "window_s": min(cfg["gpu_window_s"], cfg["gpu_seconds"] / 2),  # a first and a last window
+    }
     numel = cfg["gpu_copy_MiB"] * MiB // 4
     source, target = torch.randn(numel, device=device), torch.empty(numel, device=device)
-    loop = sustained(lambda: target.copy_(source), device, **timing)
+    loop = sustained(functools.partial(target.copy_, source), device, **timing)
     result["copy_GB/s"] = stream_bytes("copy", numel, itemsize=4) * loop["calls_per_s"] / GB
     result["copy_throttle_ratio"] = loop["throttle_ratio"]
     del source, target
@@ -425,6 +507,7 @@ def gpu_section(world: World, cfg: dict) -> dict:
 
     def sample():  # while the bf16 loop, the one training lives on, still runs: clocks of a hot GPU
         telemetry.update(gpu_telemetry(str(props.uuid)))
+
     allow_tf32 = torch.backends.cuda.matmul.allow_tf32
     try:
         for kind in MATMUL_KINDS:
@@ -432,8 +515,12 @@ def gpu_section(world: World, cfg: dict) -> dict:
             square = (cfg["matmul_size"],) * 3
             try:
                 shape = fastest_shape(kind, [square] + MAMF_SHAPES.get(kind, MAMF_SHAPES["bf16"]), device)
-                loop = sustained(matmul_call(kind, shape, device), device, **timing,
-                                 while_busy=sample if kind == "bf16" else None)
+                loop = sustained(
+                    matmul_call(kind, shape, device),
+                    device,
+                    **timing,
+                    while_busy=sample if kind == "bf16" else None,
+                )
                 result[f"matmul_{kind}_TFLOPS"] = 2 * math.prod(shape) * loop["calls_per_s"] / 1e12
                 result[f"matmul_{kind}_throttle_ratio"] = loop["throttle_ratio"]
                 result[f"matmul_{kind}_shape"] = "x".join(map(str, shape))
@@ -509,10 +596,13 @@ def collectives_sweep(world: World, cfg: dict, group, ranks: list) -> dict:
             size = size // (4 * n_ranks) * 4 * n_ranks  # whole float32 shards per rank
             call = collective_call(op, size, n_ranks, world.device, group)
             try:
-                local_seconds.append(collective_seconds(call, world, group, cfg["collective_warmup"],
-                                                        cfg["collective_iters"]))
+                local_seconds.append(
+                    collective_seconds(call, world, group, cfg["collective_warmup"], cfg["collective_iters"])
+                )
             except (RuntimeError, NotImplementedError) as error:  # every rank's backend raises alike
-                results[op] = {"skipped": f"not supported by {dist.get_backend(group)}: {str(error).splitlines()[0]}"}
+                results[op] = {
+                    "skipped": f"not supported by {dist.get_backend(group)}: {str(error).splitlines()[0]}"
+                }
                 break
             measured.append((op, size))
             del call  # a 1 GiB op's buffers go before the next op's are made
@@ -523,10 +613,16 @@ def collectives_sweep(world: World, cfg: dict, group, ranks: list) -> dict:
     for (op, size), column in zip(measured, per_rank.T):
         seconds, slowest = column.mean().item(), int(column.argmax())
         algbw = algbw_GBps(size, seconds)
-        results.setdefault(op, []).append({
-            "size_bytes": size, "time_us": seconds * 1e6, "time_max_us": column[slowest].item() * 1e6,
-            "time_max_rank": ranks[slowest], "algbw_GB/s": algbw,
-            "busbw_GB/s": busbw_GBps(op, algbw, n_ranks)})
+        results.setdefault(op, []).append(
+            {
+                "size_bytes": size,
+                "time_us": seconds * 1e6,
+                "time_max_us": column[slowest].item() * 1e6,
+                "time_max_rank": ranks[slowest],
+                "algbw_GB/s": algbw,
+                "busbw_GB/s": busbw_GBps(op, algbw, n_ranks),
+            }
+        )
     device = {"device_name": torch.cuda.get_device_name(world.device)} if world.device.type == "cuda" else {}
     return {"backend": dist.get_backend(group), "ranks": n_ranks, **device, **results}
 
@@ -566,8 +662,13 @@ def pairing_rounds(n_nodes: int) -> list:
     rounds = []
     for _ in range(len(nodes) - 1):
         half = len(nodes) // 2
-        rounds.append([(min(a, b), max(a, b)) for a, b in zip(nodes[:half], reversed(nodes[half:]))
-                       if a is not None and b is not None])
+        rounds.append(
+            [
+                (min(a, b), max(a, b))
+                for a, b in zip(nodes[:half], reversed(nodes[half:]))
+                if a is not None and b is not None
+            ]
+        )
         nodes = [nodes[0], nodes[-1], *nodes[1:-1]]
     return rounds
 
@@ -583,6 +684,7 @@ def one_way_seconds(peer: int, sends_first: bool, size_bytes: int, world: World,
         else:
             dist.recv(buffer, peer)
             dist.send(buffer, peer)
+
     return median_seconds(round_trip, world.device, warmup=3, repeats=1, inner=iters) / 2
 
 
@@ -601,9 +703,13 @@ def links_section(world: World, cfg: dict) -> dict:
                 sends = world.node_rank == first
                 latency = one_way_seconds(peer, sends, LATENCY_BYTES, world, cfg["pingpong_iters"])
                 big = PINGPONG_BYTES[world.device.type] // (8 if cfg["quick"] else 1)
-                bandwidth = big / one_way_seconds(peer, sends, big, world, max(cfg["pingpong_iters"] // 10, 2)) / GB
-                pairs[f"node{first}-node{second}"] = {"latency_us": latency * 1e6, "size_bytes": big,
-                                                      "bandwidth_GB/s": bandwidth}
+                iters = max(cfg["pingpong_iters"] // 10, 2)
+                bandwidth = big / one_way_seconds(peer, sends, big, world, iters) / GB
+                pairs[f"node{first}-node{second}"] = {
+                    "latency_us": latency * 1e6,
+                    "size_bytes": big,
+                    "bandwidth_GB/s": bandwidth,
+                }
     return {"pairs": pairs, "one_rank_per_node": collectives_sweep(world, cfg, leaders_group, world.leaders)}
 
 
@@ -617,7 +723,7 @@ def aligned_buffer(nbytes: int) -> memoryview:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         region.madvise(mmap.MADV_HUGEPAGE)
     start = -np.frombuffer(region, np.uint8).ctypes.data % HUGE_PAGE
-    buffer = memoryview(region)[start:start + nbytes]
+    buffer = memoryview(region)[start : start + nbytes]
     for offset in range(0, nbytes, HUGE_PAGE):
         buffer[offset] = 0  # fault each huge page in now: O_DIRECT's page pinning would take 4 KiB ones
     return buffer
@@ -736,11 +842,15 @@ def storage_phases(folder: Path, cfg: dict, direct: bool) -> dict:
 def storage_section(world: World, cfg: dict) -> dict:
     """Phases start together on every node (a barrier each), so parallel write/read are also the
     storage's aggregate when the path is shared; the node's other ranks only take the barriers."""
-    folder = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=cfg["storage_path"])) if world.is_node_leader else None
+    folder = None
+    if world.is_node_leader:
+        folder = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=cfg["storage_path"]))
     result = {}
     try:
         direct = world.is_node_leader and direct_io_works(folder)
-        phases = storage_phases(folder, cfg, direct) if folder else dict.fromkeys(STORAGE_PHASES, (None, None))
+        phases = (
+            storage_phases(folder, cfg, direct) if folder else dict.fromkeys(STORAGE_PHASES, (None, None))
+        )
         seconds = {}
         for phase, (unit, run) in phases.items():
             world.barrier()
@@ -751,10 +861,16 @@ def storage_section(world: World, cfg: dict) -> dict:
                 except OSError as error:  # a full or failing disk is a finding, not a crash
                     result["error"] = f"{phase}: {error}"
         if world.is_node_leader:
-            result.update({"method": "O_DIRECT" if direct else "fsync + posix_fadvise(DONTNEED) (no O_DIRECT here)",
-                           "path": str(Path(cfg["storage_path"]).resolve()), "file_MiB": cfg["storage_MiB"],
-                           "workers": cfg["storage_workers"], "parallel_bytes": parallel_bytes(cfg),
-                           "seconds": seconds})
+            result.update(
+                {
+                    "method": "O_DIRECT" if direct else "fsync + posix_fadvise(DONTNEED) (no O_DIRECT here)",
+                    "path": str(Path(cfg["storage_path"]).resolve()),
+                    "file_MiB": cfg["storage_MiB"],
+                    "workers": cfg["storage_workers"],
+                    "parallel_bytes": parallel_bytes(cfg),
+                    "seconds": seconds,
+                }
+            )
     finally:
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
@@ -789,8 +905,15 @@ print(time.perf_counter() - started)
 
 def pure_python_seconds(processes: int, units: int) -> float:
     """Seconds for `processes` interpreters each doing `units` work units at the same time."""
-    workers = [subprocess.Popen([sys.executable, "-I", "-c", CPU_WORKER, str(units)], text=True,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(processes)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-I", "-c", CPU_WORKER, str(units)],
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        for _ in range(processes)
+    ]
     for worker in workers:
         worker.stdout.readline()
     for worker in workers:
@@ -824,7 +947,9 @@ def cpu_section(cfg: dict) -> dict:
     seconds = median_seconds(lambda: zlib.compress(data), repeats=cfg["repeats"])
     result["zlib_single_core_MB/s"] = len(data) / seconds / 1e6
     with ThreadPoolExecutor(cores) as pool:
-        seconds = median_seconds(lambda: list(pool.map(zlib.compress, [data] * cores)), repeats=cfg["repeats"])
+        seconds = median_seconds(
+            lambda: list(pool.map(zlib.compress, [data] * cores)), repeats=cfg["repeats"]
+        )
     result["zlib_all_cores_MB/s"] = len(data) * cores / seconds / 1e6
     values = np.random.default_rng(0).random(cfg["sort_Melem"] * 1_000_000)
     seconds = median_seconds(lambda: np.sort(values), repeats=cfg["repeats"])
@@ -854,30 +979,45 @@ def available_memory_bytes() -> int:
     return 0
 
 
+def stream_rates(pool: ThreadPoolExecutor, n: int, slices: list, repeats: int) -> dict:
+    """GB/s of STREAM copy and triad over three float64 arrays of `n` elements, on one thread, then on
+    `slices` from `pool`. The arrays are local to this call, so they are freed before the allocation
+    test that follows it."""
+    a, b, c = (torch.from_numpy(np.empty(n)) for _ in range(3))
+    # first touch by the threads that will use each slice, so a 2-socket node spreads the pages
+    list(pool.map(lambda part: [x[part].fill_(1.0) for x in (a, b, c)], slices))
+    rates = {}
+    for label, parts in (("1thread", [slice(0, n)]), ("all_cores", slices)):
+        # copy as memmove, what a compiled STREAM copy loop becomes (torch's copy_ reaches less
+        # than half of it on one thread); numpy releases the GIL for it too
+        kernels = {
+            "copy": lambda s: np.copyto(b.numpy()[s], a.numpy()[s]),
+            "triad": lambda s: torch.add(b[s], c[s], alpha=3.0, out=a[s]),
+        }
+        for kernel, run in kernels.items():
+            seconds = median_seconds(lambda run=run, parts=parts: list(pool.map(run, parts)), repeats=repeats)
+            rates[f"{kernel}_{label}_GB/s"] = stream_bytes(kernel, n) / seconds / GB
+    return rates
+
+
 def memory_section(cfg: dict) -> dict:
     """STREAM copy (b = a) and triad (a = b + 3c) over float64 arrays, bytes counted as STREAM does.
     Copy is numpy's memmove, triad torch's one-pass add (numpy's triad takes two, moving 5 arrays for
     STREAM's 3); on one thread, then on one slice per core from a thread pool (both release the GIL)."""
     n = cfg["memory_MiB"] * MiB // 8
     cores, threads = usable_cores(), torch.get_num_threads()
-    result = {"array_MiB": cfg["memory_MiB"], "arrays": 3, "l3_cache_MiB": l3_cache_bytes() / MiB, "cores": cores}
+    result = {
+        "array_MiB": cfg["memory_MiB"],
+        "arrays": 3,
+        "l3_cache_MiB": l3_cache_bytes() / MiB,
+        "cores": cores,
+    }
     bounds = np.linspace(0, n, cores + 1).astype(int).tolist()
     slices = [slice(start, stop) for start, stop in zip(bounds[:-1], bounds[1:])]
     torch.set_num_threads(1)  # each slice on one core; torch's own pool would spin-wait between kernels
     try:
         with ThreadPoolExecutor(cores) as pool:
-            a, b, c = (torch.from_numpy(np.empty(n)) for _ in range(3))
-            # first touch by the threads that will use each slice, so a 2-socket node spreads the pages
-            list(pool.map(lambda part: [x[part].fill_(1.0) for x in (a, b, c)], slices))
-            for label, parts in (("1thread", [slice(0, n)]), ("all_cores", slices)):
-                # copy as memmove, what a compiled STREAM copy loop becomes (torch's copy_ reaches less
-                # than half of it on one thread); numpy releases the GIL for it too
-                kernels = {"copy": lambda s: np.copyto(b.numpy()[s], a.numpy()[s]),
-                           "triad": lambda s: torch.add(b[s], c[s], alpha=3.0, out=a[s])}
-                for kernel, run in kernels.items():
-                    seconds = median_seconds(lambda: list(pool.map(run, parts)), repeats=cfg["repeats"])
-                    result[f"{kernel}_{label}_GB/s"] = stream_bytes(kernel, n) / seconds / GB
-            del a, b, c
+            result.update(stream_rates(pool, n, slices, cfg["repeats"]))
     finally:
         torch.set_num_threads(threads)
     page_elements = mmap.PAGESIZE // 8
@@ -885,6 +1025,7 @@ def memory_section(cfg: dict) -> dict:
     def allocate_and_touch():
         fresh = np.empty(n)  # large allocations are fresh mmap pages, returned on release
         fresh[::page_elements] = 1.0
+
     result["allocation_GB/s"] = n * 8 / median_seconds(allocate_and_touch, repeats=cfg["repeats"]) / GB
     return result
 
@@ -905,18 +1046,31 @@ def size_text(size_bytes: int) -> str:
 def straggler_checks(kind: str, members: dict, below: str = "fail") -> list:
     """One check per rate figure: every member (GPU, node, node pair) against the median of all;
     a member too far below has status `below`."""
-    figures = sorted({key for figures in members.values() for key, value in figures.items()
-                      if key.endswith(RATE_UNITS) and isinstance(value, (int, float))})
+    figures = sorted(
+        {
+            key
+            for figures in members.values()
+            for key, value in figures.items()
+            if key.endswith(RATE_UNITS) and isinstance(value, (int, float))
+        }
+    )
     if len(members) < 2:
-        return [check("skip", f"{kind} stragglers", f"only one {kind}: nothing to compare")] if figures else []
+        return (
+            [check("skip", f"{kind} stragglers", f"only one {kind}: nothing to compare")] if figures else []
+        )
     checks = []
     for figure in figures:
         values = {name: m[figure] for name, m in members.items() if isinstance(m.get(figure), (int, float))}
         low, median = flag_stragglers(values), statistics.median(values.values())
         slowest = min(values, key=values.get)
-        checks.append(check(below if low else "pass", f"{kind} {figure}",
-                            f"slowest {slowest}: {values[slowest]:.4g}{flagged(low)}",
-                            f"median {median:.4g}, flag below {(1 - STRAGGLER_TOLERANCE) * median:.4g}"))
+        checks.append(
+            check(
+                below if low else "pass",
+                f"{kind} {figure}",
+                f"slowest {slowest}: {values[slowest]:.4g}{flagged(low)}",
+                f"median {median:.4g}, flag below {(1 - STRAGGLER_TOLERANCE) * median:.4g}",
+            )
+        )
     return checks
 
 
@@ -925,31 +1079,55 @@ def gpu_checks(gpus: dict) -> list:
     stragglers among GPUs are straggler_checks'."""
     checks = []
     for figure, peak_key in DATASHEET_CHECKS.items():
-        known = {name: (g[figure], datasheet(g["name"])[peak_key]) for name, g in gpus.items()
-                 if datasheet(g["name"]) and g.get(figure)}
+        known = {
+            name: (g[figure], datasheet(g["name"])[peak_key])
+            for name, g in gpus.items()
+            if datasheet(g["name"]) and g.get(figure)
+        }
         unknown = sorted({g["name"] for name, g in gpus.items() if name not in known})
         if unknown:
-            checks.append(check("skip", f"gpu {figure} vs datasheet", f"no datasheet entry for {', '.join(unknown)}"))
+            checks.append(
+                check("skip", f"gpu {figure} vs datasheet", f"no datasheet entry for {', '.join(unknown)}")
+            )
         if known:
             percent = {name: 100 * value / peak for name, (value, peak) in known.items()}
             low = [name for name, p in percent.items() if p < DATASHEET_MIN_PERCENT]
             worst = min(percent, key=percent.get)
-            checks.append(check("fail" if low else "pass", f"gpu {figure} vs datasheet",
-                                f"lowest {worst}: {percent[worst]:.0f}% of {known[worst][1]:g}{flagged(low)}",
-                                f">= {DATASHEET_MIN_PERCENT:.0f}% of datasheet"))
-    ratios = {f"{name} {key.removesuffix('_throttle_ratio')}": value for name, g in gpus.items()
-              for key, value in g.items()
-              if key.endswith("_throttle_ratio") and isinstance(value, (int, float))}
+            checks.append(
+                check(
+                    "fail" if low else "pass",
+                    f"gpu {figure} vs datasheet",
+                    f"lowest {worst}: {percent[worst]:.0f}% of {known[worst][1]:g}{flagged(low)}",
+                    f">= {DATASHEET_MIN_PERCENT:.0f}% of datasheet",
+                )
+            )
+    ratios = {
+        f"{name} {key.removesuffix('_throttle_ratio')}": value
+        for name, g in gpus.items()
+        for key, value in g.items()
+        if key.endswith("_throttle_ratio") and isinstance(value, (int, float))
+    }
     if ratios:
         low = [name for name, ratio in ratios.items() if ratio < THROTTLE_MIN_RATIO]
         worst = min(ratios, key=ratios.get)
-        checks.append(check("fail" if low else "pass", "gpu throttling (last second / first)",
-                            f"lowest {worst}: {ratios[worst]:.3g}{flagged(low)}",
-                            f">= {THROTTLE_MIN_RATIO:g}"))
+        checks.append(
+            check(
+                "fail" if low else "pass",
+                "gpu throttling (last second / first)",
+                f"lowest {worst}: {ratios[worst]:.3g}{flagged(low)}",
+                f">= {THROTTLE_MIN_RATIO:g}",
+            )
+        )
     ecc = {name: g["ecc_uncorrected_errors"] for name, g in gpus.items() if g.get("ecc_uncorrected_errors")}
     if any(isinstance(g.get("ecc_uncorrected_errors"), int) for g in gpus.values()):
-        checks.append(check("fail" if ecc else "pass", "gpu uncorrected ECC errors",
-                            ", ".join(f"{n}: {v}" for n, v in ecc.items()) or "none", "0"))
+        checks.append(
+            check(
+                "fail" if ecc else "pass",
+                "gpu uncorrected ECC errors",
+                ", ".join(f"{n}: {v}" for n, v in ecc.items()) or "none",
+                "0",
+            )
+        )
     return checks
 
 
@@ -969,15 +1147,18 @@ def inter_node_floor(nodes: dict, nic_Gbps: float | None) -> dict | str:
     if nic_Gbps:
         rate, origin = nic_Gbps, "--nic_gbps"
     else:
-        fastest = {name: max(node.get("nics_Gbps", {}).values(), default=None)
-                   for name, node in nodes.items()}
+        fastest = {
+            name: max(node.get("nics_Gbps", {}).values(), default=None) for name, node in nodes.items()
+        }
         missing = [name for name, rate in fastest.items() if rate is None]
         if missing:
             return f"no active port in /sys/class/infiniband on {', '.join(missing)}; pass --nic_gbps"
         rate, origin = min(fastest.values()), "/sys/class/infiniband"
     floor = INTER_NODE_FLOOR_FRACTION * rate / 8
-    return {"platform": f"{INTER_NODE_FLOOR_FRACTION:.0%} of a {rate:g} Gb/s NIC, {origin}",
-            **dict.fromkeys(FLOOR_OPS, floor)}
+    return {
+        "platform": f"{INTER_NODE_FLOOR_FRACTION:.0%} of a {rate:g} Gb/s NIC, {origin}",
+        **dict.fromkeys(FLOOR_OPS, floor),
+    }
 
 
 def busbw_floor_checks(scope: str, sweeps: dict, floors: dict) -> list:
@@ -985,8 +1166,11 @@ def busbw_floor_checks(scope: str, sweeps: dict, floors: dict) -> list:
     ({op: GB/s}, or a string saying why there is none)."""
     checks = []
     for op in FLOOR_OPS:
-        rows = {name: sweep[op][-1] for name, sweep in sweeps.items()
-                if isinstance(sweep.get(op), list) and sweep[op]}
+        rows = {
+            name: sweep[op][-1]
+            for name, sweep in sweeps.items()
+            if isinstance(sweep.get(op), list) and sweep[op]
+        }
         judged, unjudged = {}, {}
         for name, row in rows.items():
             if isinstance(floors[name], str):
@@ -1003,9 +1187,14 @@ def busbw_floor_checks(scope: str, sweeps: dict, floors: dict) -> list:
             low = [name for name, (busbw, floor) in judged.items() if busbw < floor[op]]
             worst = min(judged, key=lambda name: judged[name][0] / judged[name][1][op])
             busbw, floor = judged[worst]
-            checks.append(check("fail" if low else "pass", f"{scope} {op} busbw",
-                                f"lowest {worst}: {busbw:.4g} GB/s{flagged(low)}",
-                                f">= {floor[op]:.4g} GB/s ({floor['platform']})"))
+            checks.append(
+                check(
+                    "fail" if low else "pass",
+                    f"{scope} {op} busbw",
+                    f"lowest {worst}: {busbw:.4g} GB/s{flagged(low)}",
+                    f">= {floor[op]:.4g} GB/s ({floor['platform']})",
+                )
+            )
     return checks
 
 
@@ -1013,16 +1202,29 @@ def slow_rank_checks(sweeps: dict) -> list:
     """One warn naming each collective whose slowest rank took SLOW_RANK_RATIO times the average, at
     each op's largest size: at small sizes the ranks' skew leaving the barrier (tens of us, more for
     gloo on a busy host) is a large part of the loop and would name a rank for nothing."""
-    rows = [(scope, op, sweep[op][-1]) for scope, sweep in sweeps.items() for op in BUSBW_FACTORS
-            if isinstance(sweep.get(op), list) and sweep[op]]
-    slow = [f"rank {row.get('time_max_rank', '?')} in {scope} {op} at {size_text(row['size_bytes'])}: "
-            f"{row['time_max_us'] / row['time_us']:.1f}x" for scope, op, row in rows
-            if row["time_max_us"] > SLOW_RANK_RATIO * row["time_us"]]
+    rows = [
+        (scope, op, sweep[op][-1])
+        for scope, sweep in sweeps.items()
+        for op in BUSBW_FACTORS
+        if isinstance(sweep.get(op), list) and sweep[op]
+    ]
+    slow = [
+        f"rank {row.get('time_max_rank', '?')} in {scope} {op} at {size_text(row['size_bytes'])}: "
+        f"{row['time_max_us'] / row['time_us']:.1f}x"
+        for scope, op, row in rows
+        if row["time_max_us"] > SLOW_RANK_RATIO * row["time_us"]
+    ]
     if not rows:
         return []
     shown = "; ".join(slow[:3]) + (f"; {len(slow) - 3} more" if len(slow) > 3 else "")
-    return [check("warn" if slow else "pass", "collective slowest rank",
-                  shown or "every rank near the average", f"time_max_us <= {SLOW_RANK_RATIO:g} x time_us")]
+    return [
+        check(
+            "warn" if slow else "pass",
+            "collective slowest rank",
+            shown or "every rank near the average",
+            f"time_max_us <= {SLOW_RANK_RATIO:g} x time_us",
+        )
+    ]
 
 
 def collective_checks(report: dict, nic_Gbps: float | None) -> list:
@@ -1039,41 +1241,65 @@ def collective_checks(report: dict, nic_Gbps: float | None) -> list:
         checks += busbw_floor_checks("intra-node", intra, floors)
     if links.get("one_rank_per_node"):
         sweeps["one rank per node"] = links["one_rank_per_node"]
-        checks += busbw_floor_checks("inter-node", {"one rank per node": links["one_rank_per_node"]},
-                                     {"one rank per node": inter_node_floor(report["nodes"], nic_Gbps)})
+        checks += busbw_floor_checks(
+            "inter-node",
+            {"one rank per node": links["one_rank_per_node"]},
+            {"one rank per node": inter_node_floor(report["nodes"], nic_Gbps)},
+        )
     return checks + slow_rank_checks(sweeps)
 
 
 def storage_floor_checks(storage: dict, min_GBps: float) -> list:
     """Each node's parallel write (like every rank writing its checkpoint shard at once) against
     --min_storage_GBps."""
-    nodes = {name: figures["parallel_write_GB/s"] for name, figures in storage.items()
-             if name != "aggregate" and isinstance(figures, dict)
-             and isinstance(figures.get("parallel_write_GB/s"), (int, float))}
+    nodes = {
+        name: figures["parallel_write_GB/s"]
+        for name, figures in storage.items()
+        if name != "aggregate"
+        and isinstance(figures, dict)
+        and isinstance(figures.get("parallel_write_GB/s"), (int, float))
+    }
     if not nodes or not min_GBps:
         return []
     low = [name for name, value in nodes.items() if value < min_GBps]
     worst = min(nodes, key=nodes.get)
-    return [check("fail" if low else "pass", "storage parallel_write_GB/s",
-                  f"slowest {worst}: {nodes[worst]:.4g}{flagged(low)}",
-                  f">= {min_GBps:g} (--min_storage_GBps)")]
+    return [
+        check(
+            "fail" if low else "pass",
+            "storage parallel_write_GB/s",
+            f"slowest {worst}: {nodes[worst]:.4g}{flagged(low)}",
+            f">= {min_GBps:g} (--min_storage_GBps)",
+        )
+    ]
 
 
-def verdict_checks(report: dict, nic_Gbps: float | None = None,
-                   min_storage_GBps: float = MIN_STORAGE_GBPS) -> list:
+def verdict_checks(
+    report: dict, nic_Gbps: float | None = None, min_storage_GBps: float = MIN_STORAGE_GBPS
+) -> list:
     """Every check, fails first, then warns, passes and skips. Fail is for what training depends on
     (GPUs, collectives, links, storage writes, errors); CPU and host-memory stragglers only warn."""
-    checks = [check("skip", section, report[section]["skipped"]) for section in SECTIONS
-              if isinstance(report[section], dict) and "skipped" in report[section]]
-    checks += [check("fail", f"{section} on {name}", figures["error"])
-               for section in ("gpu", "storage", "cpu", "memory")
-               for name, figures in report[section].items()
-               if isinstance(figures, dict) and "error" in figures]
+    checks = [
+        check("skip", section, report[section]["skipped"])
+        for section in SECTIONS
+        if isinstance(report[section], dict) and "skipped" in report[section]
+    ]
+    checks += [
+        check("fail", f"{section} on {name}", figures["error"])
+        for section in ("gpu", "storage", "cpu", "memory")
+        for name, figures in report[section].items()
+        if isinstance(figures, dict) and "error" in figures
+    ]
     gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
     checks += straggler_checks("gpu", gpus) + gpu_checks(gpus) + collective_checks(report, nic_Gbps)
     checks += storage_floor_checks(report["storage"], min_storage_GBps)
-    nodes = {name: {f"{section} {key}": value for section in ("storage", "cpu", "memory")
-                    for key, value in report[section].get(name, {}).items()} for name in report["nodes"]}
+    nodes = {
+        name: {
+            f"{section} {key}": value
+            for section in ("storage", "cpu", "memory")
+            for key, value in report[section].get(name, {}).items()
+        }
+        for name in report["nodes"]
+    }
     checks += straggler_checks("node", nodes, below="warn")
     if isinstance(report["links"].get("pairs"), dict):
         checks += straggler_checks("node pair", report["links"]["pairs"])
@@ -1089,8 +1315,10 @@ def verdict(checks: list, fail_on_warn: bool = False) -> str:
 
 
 def print_table(checks: list):
-    widths = [max(len(str(c[key])) for c in checks + [check("status", "check", "value", "reference")])
-              for key in ("status", "check", "value")]
+    widths = [
+        max(len(str(c[key])) for c in checks + [check("status", "check", "value", "reference")])
+        for key in ("status", "check", "value")
+    ]
     for row in [check("STATUS", "CHECK", "VALUE", "REFERENCE")] + checks:
         cells = [str(row[key]).ljust(width) for key, width in zip(("status", "check", "value"), widths)]
         print("  ".join(cells + [row["reference"]]))
@@ -1145,38 +1373,74 @@ def section_list(option: str, text: str, parser) -> set:
 
 
 def parse_args(argv=None):
-    parser = OneLineErrors(description=__doc__.split("\n\n")[0],
-                           epilog=f"Sections: {', '.join(SECTIONS)}. Figures explained in docs/BENCHMARK_FEATURES.md.")
-    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections to run (default: all)")
+    parser = OneLineErrors(
+        description=__doc__.split("\n\n")[0],
+        epilog=f"Sections: {', '.join(SECTIONS)}. Figures explained in docs/BENCHMARK_FEATURES.md.",
+    )
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), help="comma-separated sections to run (default: all)"
+    )
     parser.add_argument("--skip", default="", help="comma-separated sections not to run")
-    parser.add_argument("--quick", action="store_true",
-                        help="small sizes, few repeats, 1 s GPU loops: seconds on CPU")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes, few repeats, 1 s GPU loops: seconds on CPU"
+    )
     parser.add_argument("--storage_path", default="checkpoints", help="folder to test (default: checkpoints)")
     parser.add_argument("--report_dir", default="logs", help="where the YAML reports go (default: logs)")
-    parser.add_argument("--storage_MiB", type=positive_int, help="MiB written per node (default 1024, --quick 64)")
-    parser.add_argument("--storage_workers", type=positive_int, help="parallel writers/readers (default 8, --quick 4)")
-    parser.add_argument("--memory_MiB", type=positive_int, help="each STREAM array (default 256, --quick 64; >= 4x L3)")
-    parser.add_argument("--matmul_size", type=positive_int,
-                        help="square matmul tried besides the MAMF shapes (default 8192, --quick 4096)")
-    parser.add_argument("--nccl_max_MiB", type=positive_int,
-                        help="largest collective (default 1024 GPU / 16 CPU, --quick 256 / 1)")
-    parser.add_argument("--gpu_seconds", type=positive_number,
-                        help="timed loop of each GPU figure after 1 s of warm-up (default 3, --quick 1)")
-    parser.add_argument("--nic_gbps", type=positive_number,
-                        help="one NIC's line rate in Gb/s, for the inter-node floor (default: read "
-                             "from /sys/class/infiniband)")
-    parser.add_argument("--min_storage_GBps", type=positive_number, default=MIN_STORAGE_GBPS,
-                        help=f"each node's parallel write must reach this (default {MIN_STORAGE_GBPS:g})")
-    parser.add_argument("--fail_on_warn", action="store_true",
-                        help="warnings (CPU and host-memory stragglers, slow ranks) fail the verdict too")
+    parser.add_argument(
+        "--storage_MiB", type=positive_int, help="MiB written per node (default 1024, --quick 64)"
+    )
+    parser.add_argument(
+        "--storage_workers", type=positive_int, help="parallel writers/readers (default 8, --quick 4)"
+    )
+    parser.add_argument(
+        "--memory_MiB", type=positive_int, help="each STREAM array (default 256, --quick 64; >= 4x L3)"
+    )
+    parser.add_argument(
+        "--matmul_size",
+        type=positive_int,
+        help="square matmul tried besides the MAMF shapes (default 8192, --quick 4096)",
+    )
+    parser.add_argument(
+        "--nccl_max_MiB",
+        type=positive_int,
+        help="largest collective (default 1024 GPU / 16 CPU, --quick 256 / 1)",
+    )
+    parser.add_argument(
+        "--gpu_seconds",
+        type=positive_number,
+        help="timed loop of each GPU figure after 1 s of warm-up (default 3, --quick 1)",
+    )
+    parser.add_argument(
+        "--nic_gbps",
+        type=positive_number,
+        help="one NIC's line rate in Gb/s, for the inter-node floor (default: read "
+        "from /sys/class/infiniband)",
+    )
+    parser.add_argument(
+        "--min_storage_GBps",
+        type=positive_number,
+        default=MIN_STORAGE_GBPS,
+        help=f"each node's parallel write must reach this (default {MIN_STORAGE_GBPS:g})",
+    )
+    parser.add_argument(
+        "--fail_on_warn",
+        action="store_true",
+        help="warnings (CPU and host-memory stragglers, slow ranks) fail the verdict too",
+    )
     args = parser.parse_args(argv)
     sections = section_list("--only", args.only, parser) - section_list("--skip", args.skip, parser)
     if not sections:
         parser.error("--only/--skip leave no section to run")
-    cfg = {**MODES["quick" if args.quick else "default"], "quick": args.quick,
-           "sections": [s for s in SECTIONS if s in sections], "storage_path": args.storage_path,
-           "report_dir": args.report_dir, "nic_gbps": args.nic_gbps,
-           "min_storage_GBps": args.min_storage_GBps, "fail_on_warn": args.fail_on_warn}
+    cfg = {
+        **MODES["quick" if args.quick else "default"],
+        "quick": args.quick,
+        "sections": [s for s in SECTIONS if s in sections],
+        "storage_path": args.storage_path,
+        "report_dir": args.report_dir,
+        "nic_gbps": args.nic_gbps,
+        "min_storage_GBps": args.min_storage_GBps,
+        "fail_on_warn": args.fail_on_warn,
+    }
     cfg.update({key: value for key, value in vars(args).items() if key in cfg and value is not None})
     validate(cfg, args, parser)
     return cfg
@@ -1188,36 +1452,50 @@ def validate(cfg: dict, args, parser):
         Path(cfg["report_dir"]).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=cfg["report_dir"]).close()
     except OSError as error:
-        parser.error(f"--report_dir {cfg['report_dir']}: cannot write there ({error.strerror}); pass a writable folder")
+        parser.error(
+            f"--report_dir {cfg['report_dir']}: cannot write there ({error.strerror}); pass a writable folder"
+        )
     if "storage" in cfg["sections"]:
         path = Path(cfg["storage_path"])
         if path.is_file():
             parser.error(f"--storage_path {path} is a file, not a folder; pass a folder or --skip storage")
         if not path.is_dir():
-            parser.error(f"--storage_path {path}: no such folder; create it (mkdir -p {path}), pass another "
-                         "or --skip storage")
+            parser.error(
+                f"--storage_path {path}: no such folder; create it (mkdir -p {path}), pass another "
+                "or --skip storage"
+            )
         try:
             tempfile.TemporaryFile(dir=path).close()
         except OSError as error:
-            parser.error(f"--storage_path {path}: cannot write there ({error.strerror}); pass a writable folder "
-                         "or --skip storage")
+            parser.error(
+                f"--storage_path {path}: cannot write there ({error.strerror}); pass a writable folder "
+                "or --skip storage"
+            )
         if cfg["storage_MiB"] < cfg["storage_workers"]:
-            parser.error(f"--storage_MiB {cfg['storage_MiB']} is less than --storage_workers "
-                         f"{cfg['storage_workers']}: each worker writes whole 1 MiB blocks")
+            parser.error(
+                f"--storage_MiB {cfg['storage_MiB']} is less than --storage_workers "
+                f"{cfg['storage_workers']}: each worker writes whole 1 MiB blocks"
+            )
         free, needed = shutil.disk_usage(path).free, 2 * cfg["storage_MiB"] * MiB
         if free < needed:
-            parser.error(f"--storage_path {path}: {free / GB:.1f} GB free, the storage test needs "
-                         f"{needed / GB:.1f} GB; lower --storage_MiB or free space")
+            parser.error(
+                f"--storage_path {path}: {free / GB:.1f} GB free, the storage test needs "
+                f"{needed / GB:.1f} GB; lower --storage_MiB or free space"
+            )
     if "memory" in cfg["sections"]:
         floor = -(-CACHE_MULTIPLE * l3_cache_bytes() // MiB)
         if args.memory_MiB is None:
             cfg["memory_MiB"] = max(cfg["memory_MiB"], floor)
         elif args.memory_MiB < floor:
-            parser.error(f"--memory_MiB {args.memory_MiB} is under {CACHE_MULTIPLE}x this node's L3 cache "
-                         f"({floor} MiB): it would measure cache, not memory; pass at least {floor}")
+            parser.error(
+                f"--memory_MiB {args.memory_MiB} is under {CACHE_MULTIPLE}x this node's L3 cache "
+                f"({floor} MiB): it would measure cache, not memory; pass at least {floor}"
+            )
         if 3 * cfg["memory_MiB"] * MiB > available_memory_bytes() / 2:
-            parser.error(f"--memory_MiB {cfg['memory_MiB']}: 3 arrays need more than half of the "
-                         f"{available_memory_bytes() / GB:.1f} GB available; lower it")
+            parser.error(
+                f"--memory_MiB {cfg['memory_MiB']}: 3 arrays need more than half of the "
+                f"{available_memory_bytes() / GB:.1f} GB available; lower it"
+            )
     if cfg["nccl_max_MiB"] is None:
         cfg["nccl_max_MiB"] = NCCL_MAX_MiB[("cuda" if torch.cuda.is_available() else "cpu", cfg["quick"])]
 
@@ -1236,8 +1514,14 @@ def start_world() -> World:
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **options)
     cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else None
-    return World(dist.get_rank(), dist.get_world_size(), local_rank,
-                 int(os.environ.get("LOCAL_WORLD_SIZE", 1)), device, cpu_group)
+    return World(
+        dist.get_rank(),
+        dist.get_world_size(),
+        local_rank,
+        int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+        device,
+        cpu_group,
+    )
 
 
 def run_section(section: str, world: World, cfg: dict) -> dict:
@@ -1249,8 +1533,11 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
         return storage_section(world, cfg)
     if section == "gpu" or world.is_node_leader:
         try:
-            return {"gpu": lambda: gpu_section(world, cfg), "cpu": lambda: cpu_section(cfg),
-                    "memory": lambda: memory_section(cfg)}[section]()
+            return {
+                "gpu": lambda: gpu_section(world, cfg),
+                "cpu": lambda: cpu_section(cfg),
+                "memory": lambda: memory_section(cfg),
+            }[section]()
         except Exception as error:  # noqa: BLE001 - reported as a failed check
             return {"error": f"{type(error).__name__}: {error}"}
     return {}
@@ -1263,26 +1550,51 @@ def cluster_report(everyone: list, world: World, job: dict, cfg: dict) -> dict:
     first = everyone[0]
 
     def per_node(section):
-        return first[section] if "skipped" in first[section] else {label[r["node_rank"]]: r[section] for r in leaders}
+        if "skipped" in first[section]:
+            return first[section]
+        return {label[r["node_rank"]]: r[section] for r in leaders}
+
+    gpus = first["gpu"]
+    if "skipped" not in gpus:
+        gpus = {f"{label[r['node_rank']]}/gpu{r['rank'] % world.local_size}": r["gpu"] for r in everyone}
+    nccl = first["nccl"]
+    if "intra_node" in nccl:
+        nccl = {**nccl, "intra_node": {label[r["node_rank"]]: r["nccl"]["intra_node"] for r in leaders}}
     report = {
         "job": job,
-        "world": {"ranks": world.size, "nodes": world.nodes, "ranks_per_node": world.local_size,
-                  "backend": dist.get_backend(), "device": world.device.type},
-        "verdict": None, "checks": None,
-        "gpu": first["gpu"] if "skipped" in first["gpu"] else {
-            f"{label[r['node_rank']]}/gpu{r['rank'] % world.local_size}": r["gpu"] for r in everyone},
-        "nccl": first["nccl"] if "intra_node" not in first["nccl"] else {
-            **first["nccl"], "intra_node": {label[r["node_rank"]]: r["nccl"]["intra_node"] for r in leaders}},
+        "world": {
+            "ranks": world.size,
+            "nodes": world.nodes,
+            "ranks_per_node": world.local_size,
+            "backend": dist.get_backend(),
+            "device": world.device.type,
+        },
+        "verdict": None,
+        "checks": None,
+        "gpu": gpus,
+        "nccl": nccl,
         "links": {key: value for key, value in first["links"].items() if key != "pairs"},
-        "storage": per_node("storage"), "cpu": per_node("cpu"), "memory": per_node("memory"),
-        "nodes": {label[r["node_rank"]]: {"hostname": r["hostname"], "first_rank": r["rank"],
-                                          "nics_Gbps": r["nics_Gbps"]} for r in leaders},
+        "storage": per_node("storage"),
+        "cpu": per_node("cpu"),
+        "memory": per_node("memory"),
+        "nodes": {
+            label[r["node_rank"]]: {
+                "hostname": r["hostname"],
+                "first_rank": r["rank"],
+                "nics_Gbps": r["nics_Gbps"],
+            }
+            for r in leaders
+        },
     }
     if "skipped" not in report["links"]:
-        report["links"]["pairs"] = {pair: figures for r in leaders
-                                    for pair, figures in r["links"].get("pairs", {}).items()}
+        report["links"]["pairs"] = {
+            pair: figures for r in leaders for pair, figures in r["links"].get("pairs", {}).items()
+        }
     if "skipped" not in report["storage"]:
-        report["storage"] = {"aggregate": storage_aggregate(list(report["storage"].values())), **report["storage"]}
+        report["storage"] = {
+            "aggregate": storage_aggregate(list(report["storage"].values())),
+            **report["storage"],
+        }
     report["checks"] = verdict_checks(report, cfg["nic_gbps"], cfg["min_storage_GBps"])
     report["verdict"] = verdict(report["checks"], cfg["fail_on_warn"])
     return report
@@ -1290,6 +1602,7 @@ def cluster_report(everyone: list, world: World, job: dict, cfg: dict) -> dict:
 
 def node_report(report: dict, node: str) -> dict:
     """One node's part of the cluster report, for its benchmark_<job>_rank<R>.yaml."""
+
     def mine(section):
         figures = report[section]
         if "skipped" in figures:
@@ -1297,8 +1610,12 @@ def node_report(report: dict, node: str) -> dict:
         if section == "gpu":
             return {key: value for key, value in figures.items() if key.startswith(node + "/")}
         return figures[node]
-    return {"job": report["job"], "node": {node: report["nodes"][node]},
-            **{section: mine(section) for section in ("gpu", "storage", "cpu", "memory")}}
+
+    return {
+        "job": report["job"],
+        "node": {node: report["nodes"][node]},
+        **{section: mine(section) for section in ("gpu", "storage", "cpu", "memory")},
+    }
 
 
 def main(argv=None) -> int:
@@ -1307,10 +1624,14 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     world = start_world()
     try:
-        job_id = [os.environ.get("SLURM_JOB_ID") or datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")]
+        job_id = [os.environ.get("SLURM_JOB_ID") or datetime.now(UTC).strftime("%Y%m%d-%H%M%S")]
         dist.broadcast_object_list(job_id, src=0, group=world.cpu_group)
-        local = {"rank": world.rank, "node_rank": world.node_rank, "hostname": socket.gethostname(),
-                 "nics_Gbps": nic_rates_Gbps()}
+        local = {
+            "rank": world.rank,
+            "node_rank": world.node_rank,
+            "hostname": socket.gethostname(),
+            "nics_Gbps": nic_rates_Gbps(),
+        }
         section_seconds = {}
         for section in SECTIONS:
             section_started = time.perf_counter()
@@ -1319,10 +1640,15 @@ def main(argv=None) -> int:
             section_seconds[section] = time.perf_counter() - section_started
         everyone = [None] * world.size
         dist.all_gather_object(everyone, local, group=world.cpu_group)
-        job = {"id": job_id[0], "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-               "command": " ".join(sys.argv), "mode": "quick" if cfg["quick"] else "default",
-               "torch": str(torch.__version__), "seconds": time.perf_counter() - started,
-               "section_seconds": section_seconds}
+        job = {
+            "id": job_id[0],
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": " ".join(sys.argv),
+            "mode": "quick" if cfg["quick"] else "default",
+            "torch": str(torch.__version__),
+            "seconds": time.perf_counter() - started,
+            "section_seconds": section_seconds,
+        }
         report = cluster_report(everyone, world, job, cfg)
         path = Path(cfg["report_dir"]) / f"benchmark_{job['id']}.yaml"
         if world.is_node_leader:

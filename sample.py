@@ -6,6 +6,7 @@
 A model trained on dummy data has no tokenizer: its prompt is token ids separated by spaces, and so is its
 output. Options are --name=value, as in train.py.
 """
+
 import os
 import sys
 import tempfile
@@ -15,6 +16,8 @@ import torch
 
 import train
 
+# --help prints these options verbatim from this file; fmt: off keeps their comments aligned
+# fmt: off
 # Options, each overridden as --name=value
 init_from: str = ""                 # an exported folder (final_model, export_step_N) or a step_N checkpoint
 prompt: str = "\n"                  # text; token ids separated by spaces for a model without a tokenizer
@@ -23,6 +26,7 @@ max_new_tokens: int = 100
 temperature: float = 0.8            # 0: greedy, the most likely token every time
 top_k: int = 200                    # sample from the k most likely tokens only
 seed: int = 1337
+# fmt: on
 
 
 def parse_args(argv):
@@ -31,19 +35,24 @@ def parse_args(argv):
     for arg in argv:
         name, has_value, text = arg.removeprefix("--").partition("=")
         if not arg.startswith("--") or name not in cfg:
-            raise train.ConfigError(f"unexpected argument {arg!r}: options are --name=value, "
-                                    f"one of --{', --'.join(cfg)}")
+            raise train.ConfigError(
+                f"unexpected argument {arg!r}: options are --name=value, one of --{', --'.join(cfg)}"
+            )
         cfg[name] = train.convert(name, text if has_value else "true", hints[name], "--")
     cfg = types.SimpleNamespace(**cfg)
     if not cfg.init_from:
         raise train.ConfigError("--init_from is required: an exported folder or a step_N checkpoint folder")
-    if not os.path.isfile(os.path.join(cfg.init_from, "config.json")) \
-            and not os.path.isfile(os.path.join(cfg.init_from, "trainer_state.json")):
-        raise train.ConfigError(f"--init_from={cfg.init_from} is neither an exported model (config.json) "
-                                f"nor a step_N checkpoint (trainer_state.json)")
+    exported = os.path.isfile(os.path.join(cfg.init_from, "config.json"))
+    checkpoint = os.path.isfile(os.path.join(cfg.init_from, "trainer_state.json"))
+    if not exported and not checkpoint:
+        raise train.ConfigError(
+            f"--init_from={cfg.init_from} is neither an exported model (config.json) "
+            f"nor a step_N checkpoint (trainer_state.json)"
+        )
     if cfg.num_samples <= 0 or cfg.max_new_tokens <= 0 or cfg.temperature < 0 or cfg.top_k <= 0:
-        raise train.ConfigError("--num_samples, --max_new_tokens and --top_k must be positive, "
-                                "--temperature not negative")
+        raise train.ConfigError(
+            "--num_samples, --max_new_tokens and --top_k must be positive, --temperature not negative"
+        )
     return cfg
 
 
@@ -59,17 +68,27 @@ def generate(cfg, folder):
         try:
             ids = torch.tensor([[int(token) for token in cfg.prompt.split()]])
         except ValueError:
-            raise train.ConfigError(f"{folder} has no tokenizer (dummy data): give --prompt as token ids "
-                                    f"separated by spaces, e.g. --prompt='1 2 3'") from None
+            raise train.ConfigError(
+                f"{folder} has no tokenizer (dummy data): give --prompt as token ids "
+                f"separated by spaces, e.g. --prompt='1 2 3'"
+            ) from None
         if ids.numel() == 0 or ids.max() >= model.config.vocab_size:
             raise train.ConfigError(f"--prompt needs token ids between 0 and {model.config.vocab_size - 1}")
     torch.manual_seed(cfg.seed)
-    sampling = dict(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k) if cfg.temperature > 0 \
+    sampling = (
+        dict(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k)
+        if cfg.temperature > 0
         else dict(do_sample=False)
+    )
     with torch.no_grad():
         for _ in range(cfg.num_samples):
-            output = model.generate(ids, max_new_tokens=cfg.max_new_tokens, use_cache=True,
-                                    pad_token_id=model.config.eos_token_id, **sampling)[0]
+            output = model.generate(
+                ids,
+                max_new_tokens=cfg.max_new_tokens,
+                use_cache=True,
+                pad_token_id=model.config.eos_token_id,
+                **sampling,
+            )[0]
             print(tokenizer.decode(output) if tokenizer else " ".join(map(str, output.tolist())))
             print("---------------", flush=True)
 
@@ -77,7 +96,7 @@ def generate(cfg, folder):
 def main(argv):
     if {"-h", "--help"} & set(argv):  # the help is the docstring and the options block, with its comments
         source = open(__file__).read()
-        options = source[source.index("init_from: str"):source.index("\n\n\ndef")]
+        options = source[source.index("init_from: str") : source.index("\n# fmt: on")]
         print(f"{__doc__}\nOptions (--name=value):\n{options}")
         return 0
     try:

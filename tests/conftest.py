@@ -11,9 +11,18 @@ REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 sys.path.insert(0, str(REPO))  # tests import train.py and benchmark.py
 # A small, fast CPU configuration of the tiny preset that learns within a few dozen steps.
-TINY = ["--model=tiny", "--compile=False", "--activation_checkpointing=False", "--batch_size=8",
-        "--global_batch_size=16", "--seq_length=128", "--lr=3e-3", "--min_lr=1e-4", "--warmup_steps=10",
-        "--log_every=1"]
+TINY = [
+    "--model=tiny",
+    "--compile=False",
+    "--activation_checkpointing=False",
+    "--batch_size=8",
+    "--global_batch_size=16",
+    "--seq_length=128",
+    "--lr=3e-3",
+    "--min_lr=1e-4",
+    "--warmup_steps=10",
+    "--log_every=1",
+]
 
 
 def free_port():
@@ -26,8 +35,16 @@ def torchrun_command(script, args, nproc, torchrun_args=()):
     """script under torchrun with nproc CPU processes, or as a plain process when nproc is 0."""
     if not nproc:
         return [sys.executable, str(REPO / script), *args]
-    return [str(TORCHRUN), "--nnodes=1", f"--nproc_per_node={nproc}", "--rdzv_backend=c10d",
-            f"--rdzv_endpoint=127.0.0.1:{free_port()}", *torchrun_args, str(REPO / script), *args]
+    return [
+        str(TORCHRUN),
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        *torchrun_args,
+        str(REPO / script),
+        *args,
+    ]
 
 
 def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
@@ -54,8 +71,14 @@ def worker_pids(torchrun_pid):
 def run_until(args, tmp, step, signal_number, extra_torchrun=(), env=None):
     """Starts a 2-process run and sends signal_number to local rank 1 once `step` is logged."""
     command = torchrun_command("train.py", [f"--log_dir={tmp}", *args], 2, list(extra_torchrun))
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, **(env or {})})
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
     output = []
     for line in process.stdout:
         output.append(line)
@@ -86,8 +109,14 @@ def read_metrics(log_dir):
 @pytest.fixture
 def train():
     def run(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
-        result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *args], nproc=nproc, **kwargs)
+        result = launch(
+            "train.py",
+            [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *args],
+            nproc=nproc,
+            **kwargs,
+        )
         if expect_ok:
             assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
         return result
+
     return run

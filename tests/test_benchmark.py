@@ -1,6 +1,7 @@
 """benchmark.py: real runs under torchrun on CPU, the formulas against hand-computed values, the
 page cache kept out of the storage figures, memory figures against a plain numpy copy, verdicts
 and bad input."""
+
 import ctypes
 import mmap
 import os
@@ -35,8 +36,20 @@ def read_report(report_dir: Path) -> dict:
 def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
     storage, reports = tmp_path / "storage", tmp_path / "logs"
     storage.mkdir()
-    result = run([str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(ROOT / "benchmark.py"), "--quick",
-                  "--storage_path", str(storage), "--report_dir", str(reports)], cwd=tmp_path)
+    result = run(
+        [
+            str(TORCHRUN),
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "benchmark.py"),
+            "--quick",
+            "--storage_path",
+            str(storage),
+            "--report_dir",
+            str(reports),
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = read_report(reports)
     assert list(report)[:4] == ["job", "world", "verdict", "checks"]
@@ -58,23 +71,46 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
             assert row["time_us"] > 0 and row["time_max_us"] >= row["time_us"] * 0.999
             assert row["time_max_rank"] in (0, 1)
             assert row["algbw_GB/s"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3, rel=2e-3)
-            assert row["busbw_GB/s"] == pytest.approx(row["algbw_GB/s"] * benchmark.BUSBW_FACTORS[op](2), rel=2e-3)
+            assert row["busbw_GB/s"] == pytest.approx(
+                row["algbw_GB/s"] * benchmark.BUSBW_FACTORS[op](2), rel=2e-3
+            )
     (node,) = report["nodes"]
     storage_figures = report["storage"][node]
     assert storage_figures["method"].startswith(("O_DIRECT", "fsync + posix_fadvise"))
-    for key in ("sequential_write_GB/s", "sequential_read_GB/s", "parallel_write_GB/s", "parallel_read_GB/s", "random_read_4k_IOPS"):
+    for key in (
+        "sequential_write_GB/s",
+        "sequential_read_GB/s",
+        "parallel_write_GB/s",
+        "parallel_read_GB/s",
+        "random_read_4k_IOPS",
+    ):
         assert storage_figures[key] > 0
-    assert report["storage"]["aggregate"]["parallel_write_GB/s"] == pytest.approx(storage_figures["parallel_write_GB/s"], rel=2e-3)
+    assert report["storage"]["aggregate"]["parallel_write_GB/s"] == pytest.approx(
+        storage_figures["parallel_write_GB/s"], rel=2e-3
+    )
     assert not list(storage.iterdir()), "the storage test must remove its files"
-    for key in ("all_core_ops/s", "single_core_ops/s", "matmul_fp32_GFLOPS", "zlib_single_core_MB/s", "zlib_all_cores_MB/s", "sort_float64_Melem/s"):
+    for key in (
+        "all_core_ops/s",
+        "single_core_ops/s",
+        "matmul_fp32_GFLOPS",
+        "zlib_single_core_MB/s",
+        "zlib_all_cores_MB/s",
+        "sort_float64_Melem/s",
+    ):
         assert report["cpu"][node][key] > 0
-    for key in ("copy_1thread_GB/s", "triad_1thread_GB/s", "copy_all_cores_GB/s", "triad_all_cores_GB/s", "allocation_GB/s"):
+    for key in (
+        "copy_1thread_GB/s",
+        "triad_1thread_GB/s",
+        "copy_all_cores_GB/s",
+        "triad_all_cores_GB/s",
+        "allocation_GB/s",
+    ):
         assert report["memory"][node][key] > 0
     per_node = yaml.safe_load((reports / f"benchmark_{report['job']['id']}_rank0.yaml").read_text())
     assert per_node["storage"] == storage_figures and "copy_1thread_GB/s" in per_node["memory"]
     assert report["nodes"][node]["nics_Gbps"] == benchmark.nic_rates_Gbps()
-    assert {"status": "pass", "check": "storage parallel_write_GB/s"}.items() <= \
-        next(c for c in report["checks"] if c["check"] == "storage parallel_write_GB/s").items()
+    storage_check = next(c for c in report["checks"] if c["check"] == "storage parallel_write_GB/s")
+    assert {"status": "pass", "check": "storage parallel_write_GB/s"}.items() <= storage_check.items()
     assert f"verdict: {report['verdict']} in" in result.stdout
 
 
@@ -84,11 +120,31 @@ def test_two_nodes_measure_links_between_them_and_nvlink_within_each(tmp_path):
     with socket.socket() as probe:  # a port nobody uses, so parallel test runs don't meet
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [str(TORCHRUN), "--nnodes=2", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={port}", str(ROOT / "benchmark.py"), "--quick", "--only", "nccl,links",
-               "--report_dir", str(tmp_path), "--nic_gbps", "400"]
-    nodes = [subprocess.Popen(command[:1] + [f"--node_rank={n}"] + command[1:], cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in (0, 1)]
+    command = [
+        str(TORCHRUN),
+        "--nnodes=2",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        str(ROOT / "benchmark.py"),
+        "--quick",
+        "--only",
+        "nccl,links",
+        "--report_dir",
+        str(tmp_path),
+        "--nic_gbps",
+        "400",
+    ]
+    nodes = [
+        subprocess.Popen(
+            command[:1] + [f"--node_rank={n}"] + command[1:],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     outputs = [node.communicate(timeout=180) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:]
     report = read_report(tmp_path)
@@ -171,14 +227,18 @@ def test_storage_reads_come_from_storage_not_the_page_cache(tmp_path, direct):
 def test_memory_bandwidth_agrees_with_a_plain_numpy_copy_of_1GB():
     """Within 25% of np.copyto on 1 GB, bytes counted alike (read + write). The two alternate and
     the test takes up to three tries, since other jobs share this VM's memory bus."""
-    cfg = {**benchmark.MODES["quick"], "memory_MiB": max(64, -(-4 * benchmark.l3_cache_bytes() // benchmark.MiB))}
+    cfg = {
+        **benchmark.MODES["quick"],
+        "memory_MiB": max(64, -(-4 * benchmark.l3_cache_bytes() // benchmark.MiB)),
+    }
     source, target = np.full(125_000_000, 1.0), np.empty(125_000_000)
     ratios = []
     for _ in range(3):
         ours, plain = [], []
         for _ in range(2):
             ours.append(benchmark.memory_section(cfg)["copy_1thread_GB/s"])
-            plain.append(2 * source.nbytes / benchmark.median_seconds(lambda: np.copyto(target, source), repeats=3) / 1e9)
+            copy_seconds = benchmark.median_seconds(lambda: np.copyto(target, source), repeats=3)
+            plain.append(2 * source.nbytes / copy_seconds / 1e9)
         ratios.append(statistics.median(ours) / statistics.median(plain))
         if 0.75 <= ratios[-1] <= 1.25:
             return
@@ -193,10 +253,22 @@ def test_stragglers_are_flagged_and_uniform_values_pass():
 
 
 def test_verdict_fails_a_slow_gpu_and_one_far_below_its_datasheet():
-    healthy = {"name": "NVIDIA H100 80GB HBM3", "copy_GB/s": 2900.0, "matmul_bf16_TFLOPS": 700.0, "ecc_uncorrected_errors": 0}
+    healthy = {
+        "name": "NVIDIA H100 80GB HBM3",
+        "copy_GB/s": 2900.0,
+        "matmul_bf16_TFLOPS": 700.0,
+        "ecc_uncorrected_errors": 0,
+    }
     gpus = {f"node0/gpu{i}": dict(healthy) for i in range(4)}
-    report = {"gpu": gpus, "nccl": {}, "links": {"skipped": "single node"}, "storage": {}, "cpu": {}, "memory": {},
-              "nodes": {"node0": {}}}
+    report = {
+        "gpu": gpus,
+        "nccl": {},
+        "links": {"skipped": "single node"},
+        "storage": {},
+        "cpu": {},
+        "memory": {},
+        "nodes": {"node0": {}},
+    }
     assert [c for c in benchmark.verdict_checks(report) if c["status"] == "fail"] == []
     gpus["node0/gpu3"]["matmul_bf16_TFLOPS"] = 400.0  # 43% of 989.4 and 43% below its siblings
     failures = [c for c in benchmark.verdict_checks(report) if c["status"] == "fail"]
@@ -241,9 +313,15 @@ def test_sustained_matmul_on_cpu_tensors_agrees_with_the_median_of_single_calls(
     pytest.fail(f"sustained calls/s x median seconds per call = {ratios}, outside 0.5-2 every time")
 
 
-H100 = {"name": "NVIDIA H100 80GB HBM3", "copy_GB/s": 2900.0, "copy_throttle_ratio": 0.99,
-        "matmul_bf16_TFLOPS": 760.0, "matmul_bf16_throttle_ratio": 0.98,
-        "matmul_bf16_shape": "2048x2048x13312", "ecc_uncorrected_errors": 0}
+H100 = {
+    "name": "NVIDIA H100 80GB HBM3",
+    "copy_GB/s": 2900.0,
+    "copy_throttle_ratio": 0.99,
+    "matmul_bf16_TFLOPS": 760.0,
+    "matmul_bf16_throttle_ratio": 0.98,
+    "matmul_bf16_shape": "2048x2048x13312",
+    "ecc_uncorrected_errors": 0,
+}
 
 
 def sweep(busbw: float, ranks: list, device_name="NVIDIA H100 80GB HBM3", slow_rank=None) -> dict:
@@ -255,30 +333,47 @@ def sweep(busbw: float, ranks: list, device_name="NVIDIA H100 80GB HBM3", slow_r
         for size, bandwidth in ((1 << 20, busbw / 10), (1 << 30, busbw)):
             time_us = size / (bandwidth / factor(len(ranks))) / 1e3
             slow = slow_rank is not None and size == 1 << 30
-            rows[op].append({"size_bytes": size, "time_us": time_us,
-                             "time_max_us": time_us * (2.0 if slow else 1.05),
-                             "time_max_rank": slow_rank if slow else ranks[-1],
-                             "algbw_GB/s": bandwidth / factor(len(ranks)), "busbw_GB/s": bandwidth})
+            rows[op].append(
+                {
+                    "size_bytes": size,
+                    "time_us": time_us,
+                    "time_max_us": time_us * (2.0 if slow else 1.05),
+                    "time_max_rank": slow_rank if slow else ranks[-1],
+                    "algbw_GB/s": bandwidth / factor(len(ranks)),
+                    "busbw_GB/s": bandwidth,
+                }
+            )
     return {"backend": "nccl", "ranks": len(ranks), "device_name": device_name, **rows}
 
 
-def cluster(n_nodes=1, gpus=8, intra_busbw=450.0, inter_busbw=45.0, nics={"mlx5_0/1": 400.0}) -> dict:
-    """A report as cluster_report builds it, for n_nodes healthy H100 nodes with NDR NICs."""
-    nodes = {f"node{n} (h{n})": {"hostname": f"h{n}", "first_rank": n * gpus, "nics_Gbps": dict(nics)}
-             for n in range(n_nodes)}
-    report = {"gpu": {f"{node}/gpu{i}": dict(H100) for node in nodes for i in range(gpus)},
-              "nccl": sweep(intra_busbw if n_nodes == 1 else inter_busbw, list(range(n_nodes * gpus))),
-              "links": {"skipped": "single node"},
-              "storage": {node: {"sequential_write_GB/s": 2.0, "parallel_write_GB/s": 3.0} for node in nodes},
-              "cpu": {node: {"single_core_ops/s": 68.0, "matmul_fp32_GFLOPS": 40.0} for node in nodes},
-              "memory": {node: {"copy_1thread_GB/s": 18.0, "triad_all_cores_GB/s": 18.0} for node in nodes},
-              "nodes": nodes}
+def cluster(n_nodes=1, gpus=8, intra_busbw=450.0, inter_busbw=45.0, nics=None) -> dict:
+    """A report as cluster_report builds it, for n_nodes healthy H100 nodes with NDR NICs (or `nics`)."""
+    nics = {"mlx5_0/1": 400.0} if nics is None else nics
+    nodes = {
+        f"node{n} (h{n})": {"hostname": f"h{n}", "first_rank": n * gpus, "nics_Gbps": dict(nics)}
+        for n in range(n_nodes)
+    }
+    report = {
+        "gpu": {f"{node}/gpu{i}": dict(H100) for node in nodes for i in range(gpus)},
+        "nccl": sweep(intra_busbw if n_nodes == 1 else inter_busbw, list(range(n_nodes * gpus))),
+        "links": {"skipped": "single node"},
+        "storage": {node: {"sequential_write_GB/s": 2.0, "parallel_write_GB/s": 3.0} for node in nodes},
+        "cpu": {node: {"single_core_ops/s": 68.0, "matmul_fp32_GFLOPS": 40.0} for node in nodes},
+        "memory": {node: {"copy_1thread_GB/s": 18.0, "triad_all_cores_GB/s": 18.0} for node in nodes},
+        "nodes": nodes,
+    }
     if n_nodes > 1:
-        report["nccl"]["intra_node"] = {node: sweep(intra_busbw, list(range(n * gpus, (n + 1) * gpus)))
-                                        for n, node in enumerate(nodes)}
-        report["links"] = {"pairs": {f"node{a}-node{b}": {"latency_us": 3.0, "bandwidth_GB/s": 45.0}
-                                     for a in range(n_nodes) for b in range(a + 1, n_nodes)},
-                           "one_rank_per_node": sweep(inter_busbw, [n * gpus for n in range(n_nodes)])}
+        report["nccl"]["intra_node"] = {
+            node: sweep(intra_busbw, list(range(n * gpus, (n + 1) * gpus))) for n, node in enumerate(nodes)
+        }
+        report["links"] = {
+            "pairs": {
+                f"node{a}-node{b}": {"latency_us": 3.0, "bandwidth_GB/s": 45.0}
+                for a in range(n_nodes)
+                for b in range(a + 1, n_nodes)
+            },
+            "one_rank_per_node": sweep(inter_busbw, [n * gpus for n in range(n_nodes)]),
+        }
     return report
 
 
@@ -290,14 +385,21 @@ def test_healthy_h100_nodes_pass_every_check():
     for n_nodes in (1, 3):
         checks = statuses(cluster(n_nodes))
         assert [c for c in checks.values() if c["status"] in ("fail", "warn")] == []
-        for check in ("intra-node all_reduce busbw", "intra-node all_gather busbw",
-                      "gpu throttling (last second / first)", "gpu matmul_bf16_TFLOPS vs datasheet",
-                      "collective slowest rank", "storage parallel_write_GB/s"):
+        for check in (
+            "intra-node all_reduce busbw",
+            "intra-node all_gather busbw",
+            "gpu throttling (last second / first)",
+            "gpu matmul_bf16_TFLOPS vs datasheet",
+            "collective slowest rank",
+            "storage parallel_write_GB/s",
+        ):
             assert checks[check]["status"] == "pass", checks[check]
         assert benchmark.verdict(list(checks.values())) == "pass"
     checks = statuses(cluster(3))
-    assert checks["inter-node all_reduce busbw"]["reference"] == \
-        ">= 25 GB/s (50% of a 400 Gb/s NIC, /sys/class/infiniband)"
+    assert (
+        checks["inter-node all_reduce busbw"]["reference"]
+        == ">= 25 GB/s (50% of a 400 Gb/s NIC, /sys/class/infiniband)"
+    )
     assert checks["intra-node all_gather busbw"]["reference"] == ">= 180 GB/s (H100/H200 SXM, NVLink 4)"
 
 
@@ -306,8 +408,9 @@ def test_a_throttling_gpu_fails():
     report["gpu"]["node0 (h0)/gpu5"]["matmul_bf16_throttle_ratio"] = 0.8  # last second 20% under the first
     failures = [c for c in benchmark.verdict_checks(report) if c["status"] == "fail"]
     assert [c["check"] for c in failures] == ["gpu throttling (last second / first)"]
-    assert failures[0]["value"] == \
-        "lowest node0 (h0)/gpu5 matmul_bf16: 0.8; flagged node0 (h0)/gpu5 matmul_bf16"
+    assert (
+        failures[0]["value"] == "lowest node0 (h0)/gpu5 matmul_bf16: 0.8; flagged node0 (h0)/gpu5 matmul_bf16"
+    )
 
 
 def test_nvlink_down_fails_the_intra_node_floor_on_one_node_or_many():
@@ -320,8 +423,8 @@ def test_nvlink_down_fails_the_intra_node_floor_on_one_node_or_many():
     assert check["status"] == "fail" and check["value"] == "lowest node1 (h1): 30 GB/s; flagged node1 (h1)"
     # the same busbw is healthy on a PCIe-only node, and an unknown GPU has no floor
     for name in ("NVIDIA H100 PCIe", "NVIDIA A100 80GB PCIe"):
-        assert statuses(cluster(intra_busbw=30.0) | {"nccl": sweep(30.0, list(range(8)), name)})[
-            "intra-node all_reduce busbw"]["status"] == "pass"
+        pcie = cluster(intra_busbw=30.0) | {"nccl": sweep(30.0, list(range(8)), name)}
+        assert statuses(pcie)["intra-node all_reduce busbw"]["status"] == "pass"
     t4 = cluster() | {"nccl": sweep(30.0, list(range(8)), "Tesla T4")}
     skipped = statuses(t4)["intra-node all_reduce busbw"]
     assert skipped["status"] == "skip" and "no floor known for Tesla T4" in skipped["value"]
@@ -356,7 +459,9 @@ def test_a_slow_cpu_or_host_memory_figure_only_warns_but_slow_storage_fails():
     report["memory"]["node1 (h1)"]["triad_all_cores_GB/s"] = 12.0
     checks = benchmark.verdict_checks(report)
     assert {c["check"] for c in checks if c["status"] == "warn"} == {
-        "node cpu single_core_ops/s", "node memory triad_all_cores_GB/s"}
+        "node cpu single_core_ops/s",
+        "node memory triad_all_cores_GB/s",
+    }
     assert benchmark.verdict(checks) == "warn" and not [c for c in checks if c["status"] == "fail"]
     report["storage"]["node0 (h0)"]["parallel_write_GB/s"] = 0.05
     checks = benchmark.verdict_checks(report)
@@ -367,8 +472,10 @@ def test_a_slow_cpu_or_host_memory_figure_only_warns_but_slow_storage_fails():
 
 def test_a_failing_check_makes_exit_status_1(tmp_path, monkeypatch, capsys):
     """A node whose memory section breaks: the run goes on, the check fails first in the table, exit 1."""
+
     def broken_memory(cfg):
         raise OSError("simulated: a DIMM channel down")
+
     monkeypatch.setattr(benchmark, "memory_section", broken_memory)
     previous_handler = signal.getsignal(signal.SIGTERM)
     try:
@@ -386,27 +493,48 @@ def test_datasheet_matches_the_most_specific_name():
     assert benchmark.datasheet("NVIDIA H100 80GB HBM3")["bf16"] == 989.4
     assert benchmark.datasheet("NVIDIA H100 80GB HBM3")["memory_GBps"] == 3350.0
     assert benchmark.datasheet("NVIDIA H100 PCIe") == {
-        "fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp8": 1513.0, "memory_GBps": 2000.0, "memory_GB": 80.0}
-    assert benchmark.datasheet("NVIDIA H200")["memory_GBps"] == 4800.0 and benchmark.datasheet("NVIDIA H200")["bf16"] == 989.4
+        "fp32": 51.0,
+        "tf32": 378.0,
+        "bf16": 756.0,
+        "fp8": 1513.0,
+        "memory_GBps": 2000.0,
+        "memory_GB": 80.0,
+    }
+    h200 = benchmark.datasheet("NVIDIA H200")
+    assert h200["memory_GBps"] == 4800.0 and h200["bf16"] == 989.4
     assert benchmark.datasheet("NVIDIA GH200 480GB")["memory_GBps"] == 4000.0
     assert benchmark.datasheet("NVIDIA A100-SXM4-80GB") == {
-        "fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None, "memory_GBps": 2039.0, "memory_GB": 80.0}
+        "fp32": 19.5,
+        "tf32": 156.0,
+        "bf16": 312.0,
+        "fp8": None,
+        "memory_GBps": 2039.0,
+        "memory_GB": 80.0,
+    }
     assert benchmark.datasheet("NVIDIA A100-SXM4-40GB")["memory_GBps"] == 1555.0
     assert benchmark.datasheet("NVIDIA B200")["bf16"] == 2250.0
     assert benchmark.datasheet("Tesla T4") is None
 
 
 def test_importing_benchmark_starts_nothing():
-    result = run([sys.executable, "-c", "import sys, benchmark, torch.distributed as d; "
-                  "print(d.is_initialized(), 'yaml' in sys.modules)"], cwd=ROOT)
+    result = run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, benchmark, torch.distributed as d; print(d.is_initialized(), 'yaml' in sys.modules)",
+        ],
+        cwd=ROOT,
+    )
     assert result.stdout.split() == ["False", "True"] and result.stderr == ""
 
 
 def test_unknown_section_is_one_line_and_exit_2(tmp_path):
     result = run([sys.executable, str(ROOT / "benchmark.py"), "--skip", "storge"], cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr == ("benchmark.py: error: --skip: unknown section 'storge' (did you mean 'storage'?); "
-                             "sections are gpu, nccl, links, storage, cpu, memory\n")
+    assert result.stderr == (
+        "benchmark.py: error: --skip: unknown section 'storge' (did you mean 'storage'?); "
+        "sections are gpu, nccl, links, storage, cpu, memory\n"
+    )
 
 
 def unwritable_folder(tmp_path: Path) -> Path:
@@ -423,19 +551,31 @@ def a_file(tmp_path: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (lambda tmp: ["--storage_path", str(tmp / "missing")], "--storage_path {tmp}/missing: no such folder"),
-    (lambda tmp: ["--storage_path", str(unwritable_folder(tmp))], "cannot write there"),
-    (lambda tmp: ["--storage_path", str(a_file(tmp))], "--storage_path {tmp}/file is a file, not a folder"),
-    (lambda tmp: ["--storage_path", str(tmp), "--storage_MiB", str(10**9)], "the storage test needs"),
-    (lambda tmp: ["--storage_path", str(tmp), "--storage_MiB", "2", "--storage_workers", "8"], "each worker writes whole 1 MiB blocks"),
-    (lambda tmp: ["--skip", "storage", "--memory_MiB", "1"], "it would measure cache, not memory"),
-    (lambda tmp: ["--only", "gpu", "--skip", "gpu"], "leave no section to run"),
-    (lambda tmp: ["--storage_MiB", "0"], "'0' is not a positive whole number"),
-    (lambda tmp: ["--nic_gbps", "0"], "--nic_gbps: '0' is not a positive number"),
-    (lambda tmp: ["--gpu_seconds", "inf"], "--gpu_seconds: 'inf' is not a positive number"),
-    (lambda tmp: ["--min_storage_GBps", "fast"], "--min_storage_GBps: 'fast' is not a positive number"),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (
+            lambda tmp: ["--storage_path", str(tmp / "missing")],
+            "--storage_path {tmp}/missing: no such folder",
+        ),
+        (lambda tmp: ["--storage_path", str(unwritable_folder(tmp))], "cannot write there"),
+        (
+            lambda tmp: ["--storage_path", str(a_file(tmp))],
+            "--storage_path {tmp}/file is a file, not a folder",
+        ),
+        (lambda tmp: ["--storage_path", str(tmp), "--storage_MiB", str(10**9)], "the storage test needs"),
+        (
+            lambda tmp: ["--storage_path", str(tmp), "--storage_MiB", "2", "--storage_workers", "8"],
+            "each worker writes whole 1 MiB blocks",
+        ),
+        (lambda tmp: ["--skip", "storage", "--memory_MiB", "1"], "it would measure cache, not memory"),
+        (lambda tmp: ["--only", "gpu", "--skip", "gpu"], "leave no section to run"),
+        (lambda tmp: ["--storage_MiB", "0"], "'0' is not a positive whole number"),
+        (lambda tmp: ["--nic_gbps", "0"], "--nic_gbps: '0' is not a positive number"),
+        (lambda tmp: ["--gpu_seconds", "inf"], "--gpu_seconds: 'inf' is not a positive number"),
+        (lambda tmp: ["--min_storage_GBps", "fast"], "--min_storage_GBps: 'fast' is not a positive number"),
+    ],
+)
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, capsys, arguments, message):
     with pytest.raises(SystemExit) as exit_status:
         benchmark.parse_args(arguments(tmp_path) + ["--report_dir", str(tmp_path / "logs")])

@@ -8,7 +8,6 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO, TINY, launch, read_metrics, run_until, torchrun_command
 
 RUN = [*TINY, "--max_steps=30", "--run_name=exact", "--checkpoint_every=10"]
@@ -43,13 +42,18 @@ def test_sigterm_to_one_rank_checkpoints_and_resume_is_bitwise_exact(uninterrupt
 
 def test_one_process_resumes_a_two_process_checkpoint(uninterrupted, tmp_path):
     two, two_losses = uninterrupted
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN,
-                                 f"--resume_from={two}/exact/step_20"], nproc=0)
+    result = launch(
+        "train.py",
+        [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN, f"--resume_from={two}/exact/step_20"],
+        nproc=0,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "at step 20" in result.stdout
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path)}
     assert sorted(losses) == list(range(21, 31))  # DCP resharded the 2-rank checkpoint onto 1 rank
-    assert [losses[s] for s in range(21, 31)] == pytest.approx([two_losses[s] for s in range(21, 31)], rel=1e-4)
+    assert [losses[s] for s in range(21, 31)] == pytest.approx(
+        [two_losses[s] for s in range(21, 31)], rel=1e-4
+    )
 
 
 def test_killed_rank_is_restarted_by_torchrun_and_resumes(uninterrupted, tmp_path):
@@ -67,8 +71,17 @@ def test_killed_rank_is_restarted_by_torchrun_and_resumes(uninterrupted, tmp_pat
 def test_full_format_and_export_load_without_this_repo(tmp_path):
     from transformers import AutoModelForCausalLM, GPT2LMHeadModel
 
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=6",
-                                 "--run_name=full", "--ckpt_format=full"])
+    result = launch(
+        "train.py",
+        [
+            f"--log_dir={tmp_path}",
+            f"--checkpoint_dir={tmp_path}",
+            *TINY,
+            "--max_steps=6",
+            "--run_name=full",
+            "--ckpt_format=full",
+        ],
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     state = torch.load(tmp_path / "full" / "step_6" / "state_dict.pt", weights_only=True)
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final_model")
@@ -79,24 +92,56 @@ def test_full_format_and_export_load_without_this_repo(tmp_path):
         assert torch.equal(exported(tokens).logits, trained(tokens).logits)
     assert state["optimizer"]["state"]  # the optimizer moments are in the file too
 
-    resumed = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=8",
-                                  "--run_name=full", "--ckpt_format=full"])
+    resumed = launch(
+        "train.py",
+        [
+            f"--log_dir={tmp_path}",
+            f"--checkpoint_dir={tmp_path}",
+            *TINY,
+            "--max_steps=8",
+            "--run_name=full",
+            "--ckpt_format=full",
+        ],
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 6" in resumed.stdout
     zero_bytes(tmp_path / "full" / "step_8" / "state_dict.pt", 4096, 4096)
-    changed = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=9",
-                                  "--run_name=full", "--n_embd=128"], nproc=0)
+    changed = launch(
+        "train.py",
+        [
+            f"--log_dir={tmp_path}",
+            f"--checkpoint_dir={tmp_path}",
+            *TINY,
+            "--max_steps=9",
+            "--run_name=full",
+            "--n_embd=128",
+        ],
+        nproc=0,
+    )
     assert changed.returncode == 2
     assert "has another model shape (n_embd 256 -> 128)" in changed.stderr
     step_8 = tmp_path / "full" / "step_8"
-    assert (f"warning: checkpoint {step_8} is unusable: {step_8}/state_dict.pt does not match its checksum "
-            f"(corrupt); falling back to {tmp_path}/full/step_6") in changed.stdout
+    assert (
+        f"warning: checkpoint {step_8} is unusable: {step_8}/state_dict.pt does not match its checksum "
+        f"(corrupt); falling back to {tmp_path}/full/step_6"
+    ) in changed.stdout
 
 
 def test_non_finite_steps_are_skipped_then_stop(tmp_path):
     # An absurd learning rate blows the weights up after one update: every later loss is NaN.
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=20",
-                                 "--lr=1e30", "--min_lr=0", "--max_bad_steps=3", "--warmup_steps=0"])
+    result = launch(
+        "train.py",
+        [
+            f"--log_dir={tmp_path}",
+            f"--checkpoint_dir={tmp_path}",
+            *TINY,
+            "--max_steps=20",
+            "--lr=1e30",
+            "--min_lr=0",
+            "--max_bad_steps=3",
+            "--warmup_steps=0",
+        ],
+    )
     assert result.returncode != 0  # each rank exits 2; torchrun reports 1
     assert result.stdout.count("non-finite loss or gradient norm, update skipped") == 3
     assert "stopping: 3 non-finite steps in a row" in result.stderr
@@ -124,7 +169,8 @@ def zero_bytes(path, offset, count):
 
 def copy_of_run(uninterrupted, tmp_path):
     shutil.copytree(uninterrupted[0] / "exact", tmp_path / "exact")
-    (tmp_path / "exact" / "metrics.jsonl").unlink()  # the run's log shares the folder (log_dir = checkpoint_dir)
+    # the run's log shares the folder (log_dir = checkpoint_dir)
+    (tmp_path / "exact" / "metrics.jsonl").unlink()
     return tmp_path / "exact"
 
 
@@ -134,8 +180,10 @@ def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint
     zero_bytes(shard, shard.stat().st_size // 2, 64 << 10)  # 64 KiB inside the weights
     result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (f"warning: checkpoint {run_dir}/step_30 is unusable: {shard} does not match its checksum "
-            f"(corrupt); falling back to {run_dir}/step_20\n") in result.stdout
+    assert (
+        f"warning: checkpoint {run_dir}/step_30 is unusable: {shard} does not match its checksum "
+        f"(corrupt); falling back to {run_dir}/step_20\n"
+    ) in result.stdout
     assert f"resumed from {run_dir}/step_20 at step 20" in result.stdout
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path)}
     assert sorted(losses) == list(range(21, 31))
@@ -146,21 +194,32 @@ def truncate(path):
     os.truncate(path, path.stat().st_size // 2)
 
 
-@pytest.mark.parametrize("damage, resume_from, message", [
-    (lambda step: truncate(step / "__0_0.distcp"), False, "__0_0.distcp has {size} bytes instead of"),
-    (lambda step: (step / "trainer_state.json").unlink(), False, "no trainer_state.json (a save cut short)"),
-    (lambda step: (step / "manifest.json").write_text("{"), False, "unreadable manifest.json"),
-    (lambda step: (step / ".metadata").unlink(), True, "step_30/.metadata is missing"),
-])
-def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupted, tmp_path, damage,
-                                                                    resume_from, message):
+@pytest.mark.parametrize(
+    "damage, resume_from, message",
+    [
+        (lambda step: truncate(step / "__0_0.distcp"), False, "__0_0.distcp has {size} bytes instead of"),
+        (
+            lambda step: (step / "trainer_state.json").unlink(),
+            False,
+            "no trainer_state.json (a save cut short)",
+        ),
+        (lambda step: (step / "manifest.json").write_text("{"), False, "unreadable manifest.json"),
+        (lambda step: (step / ".metadata").unlink(), True, "step_30/.metadata is missing"),
+    ],
+)
+def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(
+    uninterrupted, tmp_path, damage, resume_from, message
+):
     run_dir = copy_of_run(uninterrupted, tmp_path)
     size = (run_dir / "step_30" / "__0_0.distcp").stat().st_size // 2
     damage(run_dir / "step_30")
     resume = [f"--resume_from={run_dir}/step_30"] if resume_from else []
     # One process resuming the 2-process run for one step: enough to see which checkpoint it took.
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN,
-                                 "--max_steps=21", *resume], nproc=0)
+    result = launch(
+        "train.py",
+        [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN, "--max_steps=21", *resume],
+        nproc=0,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     warning = next(line for line in result.stdout.splitlines() if line.startswith("warning:"))
     assert warning.startswith(f"warning: checkpoint {run_dir}/step_30 is unusable: ")
@@ -191,10 +250,23 @@ def write_lock(run_dir, age_s=0.0, **holder):
 
 
 def test_two_launches_of_one_run_at_once_one_is_refused(tmp_path):
-    args = [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=8",
-            "--run_name=twice"]
-    launches = [subprocess.Popen(torchrun_command("train.py", args, 0), cwd=REPO, stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    args = [
+        f"--log_dir={tmp_path}",
+        f"--checkpoint_dir={tmp_path}",
+        *TINY,
+        "--max_steps=8",
+        "--run_name=twice",
+    ]
+    launches = [
+        subprocess.Popen(
+            torchrun_command("train.py", args, 0),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
     results = [(process.wait(timeout=300), *process.communicate()) for process in launches]
     assert sorted(code for code, _, _ in results) == [0, 2], results
     refused = sorted(results)[1][2]
@@ -206,10 +278,20 @@ def test_two_launches_of_one_run_at_once_one_is_refused(tmp_path):
 
 
 def test_lock_of_a_killed_run_is_taken_over(tmp_path):
-    args = [f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=4", "--run_name=killed",
-            "--checkpoint_every=2"]
-    process = subprocess.Popen(torchrun_command("train.py", [f"--log_dir={tmp_path}", *args], 0), cwd=REPO,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    args = [
+        f"--checkpoint_dir={tmp_path}",
+        *TINY,
+        "--max_steps=4",
+        "--run_name=killed",
+        "--checkpoint_every=2",
+    ]
+    process = subprocess.Popen(
+        torchrun_command("train.py", [f"--log_dir={tmp_path}", *args], 0),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     for line in process.stdout:
         if line.startswith("checkpoint saved:"):
             process.kill()
@@ -224,8 +306,13 @@ def test_lock_of_a_killed_run_is_taken_over(tmp_path):
 
 
 def test_lock_on_another_host_is_refused_until_requeued_or_its_heartbeat_stops(tmp_path):
-    args = [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--max_steps=1",
-            "--run_name=shared"]
+    args = [
+        f"--log_dir={tmp_path}",
+        f"--checkpoint_dir={tmp_path}",
+        *TINY,
+        "--max_steps=1",
+        "--run_name=shared",
+    ]
     holder = dict(host="node-b", pid=4242, job_id="77")
     write_lock(tmp_path / "shared", **holder)
     refused = launch("train.py", args, env={"SLURM_JOB_ID": "78"})  # torchrun, 2 processes
@@ -250,30 +337,48 @@ def small_disk(tmp_path):
     def mount(size_mib):
         folder = tmp_path / "disk"
         folder.mkdir()
-        result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(folder)],
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(folder)],
+            capture_output=True,
+            text=True,
+        )
         if result.returncode:
             pytest.skip(f"cannot mount a tmpfs ({result.stderr.strip() or 'not permitted'}): needs root")
         mounted.append(folder)
         return folder
+
     yield mount
     for folder in mounted:
         subprocess.run(["umount", str(folder)], check=True)
 
 
 # A tiny checkpoint takes 22 MB and its export 7 MB: 30 MiB fit one checkpoint, not two.
-@pytest.mark.parametrize("args, nproc", [
-    (["--ckpt_format=sharded"], 2),
-    (["--ckpt_format=sharded", "--async_checkpoint=True"], 2),
-    (["--ckpt_format=full"], 0),
-])
+@pytest.mark.parametrize(
+    "args, nproc",
+    [
+        (["--ckpt_format=sharded"], 2),
+        (["--ckpt_format=sharded", "--async_checkpoint=True"], 2),
+        (["--ckpt_format=full"], 0),
+    ],
+)
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp_path, args, nproc):
     disk = small_disk(30)
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={disk}", *TINY, "--max_steps=4",
-                                 "--checkpoint_every=2", "--run_name=full_disk", *args], nproc=nproc)
+    result = launch(
+        "train.py",
+        [
+            f"--log_dir={tmp_path}",
+            f"--checkpoint_dir={disk}",
+            *TINY,
+            "--max_steps=4",
+            "--checkpoint_every=2",
+            "--run_name=full_disk",
+            *args,
+        ],
+        nproc=nproc,
+    )
     assert result.returncode != 0
     errors = error_lines(result.stderr)
-    assert len(errors) == 1 and "train.py\", line" not in result.stderr, result.stderr
+    assert len(errors) == 1 and 'train.py", line' not in result.stderr, result.stderr
     assert errors[0].startswith(f"error: writing checkpoint {disk}/full_disk/step_4.tmp failed (")
     assert f"MiB free there); the previous checkpoint {disk}/full_disk/step_2 is untouched." in errors[0]
     assert sorted(p.name for p in (disk / "full_disk").iterdir() if p.name.startswith("step")) == ["step_2"]
@@ -281,11 +386,13 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp_p
 
 def test_disk_full_during_the_export_leaves_no_half_written_model(small_disk, tmp_path):
     disk = small_disk(26)
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={disk}", *TINY, "--max_steps=2",
-                                 "--run_name=full_disk"])
+    result = launch(
+        "train.py",
+        [f"--log_dir={tmp_path}", f"--checkpoint_dir={disk}", *TINY, "--max_steps=2", "--run_name=full_disk"],
+    )
     assert result.returncode != 0
     errors = error_lines(result.stderr)
-    assert len(errors) == 1 and "train.py\", line" not in result.stderr, result.stderr
+    assert len(errors) == 1 and 'train.py", line' not in result.stderr, result.stderr
     assert f"error: writing the export {disk}/full_disk/final_model.tmp failed (" in result.stderr
     assert not (disk / "full_disk" / "final_model").exists()
     assert not (disk / "full_disk" / "final_model.tmp").exists()

@@ -1,21 +1,32 @@
 """The path a GPU user runs by default, on CPU: torch.compile per block, activation checkpointing and bf16
 parameters with fp32 reduction, over gloo with 2 processes."""
+
 import pytest
 import torch
+from conftest import TINY, launch, read_metrics
 
 import train as train_script
-from conftest import TINY, launch, read_metrics
 
 COMPILED = [*TINY, "--compile=True"]
 TINY_LLAMA = ["--model=tiny-llama", "--seq_length=64", "--batch_size=4", "--global_batch_size=16"]
 
 
 @pytest.mark.parametrize("model, checkpointing", [([], "full"), (TINY_LLAMA, "selective")])
-def test_compiled_bf16_run_with_checkpointing_learns_and_exports_clean_names(train, tmp_path, model, checkpointing):
+def test_compiled_bf16_run_with_checkpointing_learns_and_exports_clean_names(
+    train, tmp_path, model, checkpointing
+):
     from transformers import AutoModelForCausalLM
 
-    train(tmp_path, *COMPILED, *model, "--mixed_precision=bf16", f"--activation_checkpointing={checkpointing}",
-          "--max_steps=30", "--run_name=compiled", "--ckpt_format=full")
+    train(
+        tmp_path,
+        *COMPILED,
+        *model,
+        "--mixed_precision=bf16",
+        f"--activation_checkpointing={checkpointing}",
+        "--max_steps=30",
+        "--run_name=compiled",
+        "--ckpt_format=full",
+    )
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert losses[-1] < losses[0] - 0.6, losses  # fp32 eager: 6.24 -> 5.04 in these 30 steps
     state = torch.load(tmp_path / "compiled" / "step_30" / "state_dict.pt", weights_only=True)["model"]
@@ -35,18 +46,30 @@ def test_compiled_fp32_losses_equal_eager_and_its_checkpoint_resumes_eager(train
     compiled = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
     eager = [r["loss"] for r in read_metrics(tmp_path / "eager")]
     assert compiled == pytest.approx(eager, rel=1e-4)
-    resumed = train(tmp_path / "resumed", *common, "--compile=False", "--max_steps=6", "--run_name=run",
-                    f"--resume_from={tmp_path / 'compiled' / 'run' / 'step_4'}")
+    resumed = train(
+        tmp_path / "resumed",
+        *common,
+        "--compile=False",
+        "--max_steps=6",
+        "--run_name=run",
+        f"--resume_from={tmp_path / 'compiled' / 'run' / 'step_4'}",
+    )
     assert "at step 4" in resumed.stdout
     assert [r["step"] for r in read_metrics(tmp_path / "resumed")] == [5, 6]
 
 
 def test_compile_without_a_compiler_is_one_line_before_any_work(tmp_path):
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *COMPILED, "--max_steps=2"],
-                    nproc=0, env={"CXX": str(tmp_path / "no-such-g++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")})
+    result = launch(
+        "train.py",
+        [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *COMPILED, "--max_steps=2"],
+        nproc=0,
+        env={"CXX": str(tmp_path / "no-such-g++"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--compile=True cannot compile for cpu: it needs a C++ compiler" in lines[0], result.stderr
+    assert len(lines) == 1 and "--compile=True cannot compile for cpu: it needs a C++ compiler" in lines[0], (
+        result.stderr
+    )
     assert "--compile=False" in lines[0]
     assert not list(tmp_path.glob("*/step_*"))
 
@@ -84,7 +107,8 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(preset):
     plain.backward()
     plain_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    chunked = train_script.model_loss(model, tokens, targets, chunk_tokens=16)  # 150 tokens: 9 full chunks and 6
+    # 150 tokens: 9 full chunks and 6
+    chunked = train_script.model_loss(model, tokens, targets, chunk_tokens=16)
     chunked.backward()
     assert chunked.item() == pytest.approx(plain.item(), rel=1e-6)
     for plain_grad, param in zip(plain_grads, model.parameters()):
@@ -97,8 +121,17 @@ def test_hardware_flops_count_the_recomputation(mode, preset):
     """The dry run's hardware FLOPs: a checkpointed step with the chunked loss, counted (eager attention)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    cfg = train_script.parse_args([f"--model={preset}", "--n_layer=4", "--compile=False", "--sharding=ddp",
-                                   "--mixed_precision=fp32", f"--activation_checkpointing={mode}", "--seq_length=128"])
+    cfg = train_script.parse_args(
+        [
+            f"--model={preset}",
+            "--n_layer=4",
+            "--compile=False",
+            "--sharding=ddp",
+            "--mixed_precision=fp32",
+            f"--activation_checkpointing={mode}",
+            "--seq_length=128",
+        ]
+    )
     shape = train_script.resolve_shape(cfg)
     train_script.check_config(cfg, shape, world_size=1)
     config = train_script.model_config(shape)

@@ -1,4 +1,5 @@
 """Real data end to end: a generated corpus, a BPE tokenizer trained on it, real torchrun processes."""
+
 import json
 import math
 import random
@@ -6,7 +7,6 @@ import signal
 from types import SimpleNamespace
 
 import pytest
-
 from conftest import TINY, launch, read_metrics, run_until
 
 # The tiny preset on short sequences, so that a corpus of a few thousand lines makes many batches.
@@ -42,7 +42,8 @@ def tokenizer_dir(tmp_path_factory):
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.train([str(corpus)], trainers.BpeTrainer(vocab_size=120, special_tokens=["<eos>", "<unk>"]))
     folder = tmp_path_factory.mktemp("tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<unk>").save_pretrained(folder)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<unk>")
+    wrapped.save_pretrained(folder)
     return folder
 
 
@@ -57,7 +58,12 @@ def corpus(tmp_path):
 
 def run(tmp_path, tokenizer_dir, *args, nproc=2, expect_ok=True, env=None):
     tmp_path.mkdir(parents=True, exist_ok=True)
-    args = [f"--log_dir={tmp_path / 'logs'}", f"--data_cache={tmp_path / 'cache'}", f"--tokenizer={tokenizer_dir}", *args]
+    args = [
+        f"--log_dir={tmp_path / 'logs'}",
+        f"--data_cache={tmp_path / 'cache'}",
+        f"--tokenizer={tokenizer_dir}",
+        *args,
+    ]
     result = launch("train.py", args, nproc=nproc, env=env, cwd=tmp_path)
     if expect_ok:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -78,8 +84,15 @@ def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(tmp_pat
 
 def test_stopped_run_on_text_resumes_exactly(tmp_path, tokenizer_dir, corpus):
     """The data side of an exact resume: the loader continues on the very next batch of the epoch."""
-    args = [*DATA, f"--data={corpus}", "--max_steps=14", "--eval_every=0", "--run_name=text",
-            f"--data_cache={tmp_path / 'cache'}", f"--tokenizer={tokenizer_dir}"]
+    args = [
+        *DATA,
+        f"--data={corpus}",
+        "--max_steps=14",
+        "--eval_every=0",
+        "--run_name=text",
+        f"--data_cache={tmp_path / 'cache'}",
+        f"--tokenizer={tokenizer_dir}",
+    ]
     run(tmp_path / "whole", tokenizer_dir, *args, f"--checkpoint_dir={tmp_path / 'whole'}")
     whole = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole" / "logs")}
 
@@ -98,7 +111,9 @@ def prepare(tmp_path, tokenizer_dir, *args, capsys):
     import train as train_script
 
     try:
-        status = train_script.main(["--prepare_only", f"--data_cache={tmp_path / 'cache'}", f"--tokenizer={tokenizer_dir}", *args])
+        status = train_script.main(
+            ["--prepare_only", f"--data_cache={tmp_path / 'cache'}", f"--tokenizer={tokenizer_dir}", *args]
+        )
     except SystemExit as exit_info:
         status = exit_info.code
     output = capsys.readouterr()
@@ -143,7 +158,13 @@ def test_token_file_is_prepared_once_and_rebuilt_when_incomplete(tmp_path, token
 
 
 def test_one_process_with_accumulation_matches_two_processes_on_text(tmp_path, tokenizer_dir, corpus):
-    args = [*DATA, f"--data={corpus}", "--max_steps=5", "--eval_every=0", f"--data_cache={tmp_path / 'cache'}"]
+    args = [
+        *DATA,
+        f"--data={corpus}",
+        "--max_steps=5",
+        "--eval_every=0",
+        f"--data_cache={tmp_path / 'cache'}",
+    ]
     run(tmp_path / "two", tokenizer_dir, *args)
     run(tmp_path / "one", tokenizer_dir, *args, nproc=0)
     two_losses = [r["loss"] for r in read_metrics(tmp_path / "two" / "logs")]
@@ -158,7 +179,11 @@ def write_parquet_stream(folder, column):
     import pyarrow.parquet as pq
 
     folder.mkdir()
-    for name, n_rows, seed in [("train-00000-of-00002", 600, 3), ("train-00001-of-00002", 600, 4), ("validation", 100, 5)]:
+    for name, n_rows, seed in [
+        ("train-00000-of-00002", 600, 3),
+        ("train-00001-of-00002", 600, 4),
+        ("validation", 100, 5),
+    ]:
         rng = random.Random(seed)
         # Several sentences per row: documents longer than a line, as in real corpora.
         rows = [" ".join(sentence(rng) for _ in range(3)) for _ in range(n_rows)]
@@ -168,8 +193,15 @@ def write_parquet_stream(folder, column):
 
 def test_streaming_parquet_folder_trains_on_two_processes(tmp_path, tokenizer_dir):
     stream = write_parquet_stream(tmp_path / "stream", column="body")
-    result = run(tmp_path, tokenizer_dir, *DATA, f"--data=hf:{stream}", "--text_column=body", "--max_steps=20",
-                 "--eval_every=10")
+    result = run(
+        tmp_path,
+        tokenizer_dir,
+        *DATA,
+        f"--data=hf:{stream}",
+        "--text_column=body",
+        "--max_steps=20",
+        "--eval_every=10",
+    )
     assert "world_size=2" in result.stdout
     records = read_metrics(tmp_path / "logs")
     assert len(records) == 20
@@ -178,8 +210,16 @@ def test_streaming_parquet_folder_trains_on_two_processes(tmp_path, tokenizer_di
 
 
 def test_hub_source_without_network_or_prepared_tokens_names_the_prepare_command(tmp_path, tokenizer_dir):
-    result = run(tmp_path, tokenizer_dir, *DATA, "--data=wikitext", "--max_steps=1", nproc=0, expect_ok=False,
-                 env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    result = run(
+        tmp_path,
+        tokenizer_dir,
+        *DATA,
+        "--data=wikitext",
+        "--max_steps=1",
+        nproc=0,
+        expect_ok=False,
+        env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
@@ -193,24 +233,46 @@ def write_files(root, layout):
         (root / name).write_bytes(text) if isinstance(text, bytes) else (root / name).write_text(text)
 
 
-@pytest.mark.parametrize("layout, args, message", [
-    ({}, ["--data=missing"], "--data=missing: no such file or folder"),
-    ({"empty/train.txt": ""}, ["--data=empty"], "--data=empty holds no text"),
-    ({"blank/train.txt": "\n  \n\n"}, ["--data=blank"], "--data=blank holds no text"),
-    ({"docs/a.jsonl": '{"body": "the cat sees a dog ."}\n' * 50}, ["--data=docs", "--text_column=content"],
-     "--text_column=content is not a column of --data=docs; columns: body"),
-    ({"mixed/a.txt": "x\n", "mixed/b.jsonl": '{"text": "y"}\n'}, ["--data=mixed"], "mixes .jsonl, .txt"),
-    ({"ok.txt": "the cat sees a dog .\n"}, ["--data=ok.txt", "--vocab_size=50"], "tokens, more than --vocab_size=50"),
-    # 21 bytes of the first line and "caf", then é in Latin-1
-    ({"latin.txt": "the cat sees a dog .\ncafé\n".encode("latin-1")}, ["--data=latin.txt"],
-     "latin.txt is not UTF-8 text (invalid byte at offset 24)"),
-    ({"bin/train.txt": bytes(range(256)) * 4}, ["--data=bin"],
-     "train.txt is not UTF-8 text (invalid byte at offset 128)"),
-    ({"ok.txt": "the cat sees a dog .\n"}, ["--data=ok.txt", "--tokenizer=./no_tokenizer"],
-     "--tokenizer=./no_tokenizer: no such folder"),
-    ({"ok.txt": "the cat sees a dog .\n"}, ["--data=ok.txt", "--data_cache=ok.txt/cache"],
-     "--data_cache=ok.txt/cache is not writable"),
-])
+@pytest.mark.parametrize(
+    "layout, args, message",
+    [
+        ({}, ["--data=missing"], "--data=missing: no such file or folder"),
+        ({"empty/train.txt": ""}, ["--data=empty"], "--data=empty holds no text"),
+        ({"blank/train.txt": "\n  \n\n"}, ["--data=blank"], "--data=blank holds no text"),
+        (
+            {"docs/a.jsonl": '{"body": "the cat sees a dog ."}\n' * 50},
+            ["--data=docs", "--text_column=content"],
+            "--text_column=content is not a column of --data=docs; columns: body",
+        ),
+        ({"mixed/a.txt": "x\n", "mixed/b.jsonl": '{"text": "y"}\n'}, ["--data=mixed"], "mixes .jsonl, .txt"),
+        (
+            {"ok.txt": "the cat sees a dog .\n"},
+            ["--data=ok.txt", "--vocab_size=50"],
+            "tokens, more than --vocab_size=50",
+        ),
+        # 21 bytes of the first line and "caf", then é in Latin-1
+        (
+            {"latin.txt": "the cat sees a dog .\ncafé\n".encode("latin-1")},
+            ["--data=latin.txt"],
+            "latin.txt is not UTF-8 text (invalid byte at offset 24)",
+        ),
+        (
+            {"bin/train.txt": bytes(range(256)) * 4},
+            ["--data=bin"],
+            "train.txt is not UTF-8 text (invalid byte at offset 128)",
+        ),
+        (
+            {"ok.txt": "the cat sees a dog .\n"},
+            ["--data=ok.txt", "--tokenizer=./no_tokenizer"],
+            "--tokenizer=./no_tokenizer: no such folder",
+        ),
+        (
+            {"ok.txt": "the cat sees a dog .\n"},
+            ["--data=ok.txt", "--data_cache=ok.txt/cache"],
+            "--data_cache=ok.txt/cache is not writable",
+        ),
+    ],
+)
 def test_bad_corpus_is_one_clear_line(tmp_path, tokenizer_dir, layout, args, message, capsys, monkeypatch):
     write_files(tmp_path, layout)
     monkeypatch.chdir(tmp_path)
@@ -223,6 +285,7 @@ def test_bad_corpus_is_one_clear_line(tmp_path, tokenizer_dir, layout, args, mes
 
 def test_model_vocabulary_follows_the_tokenizer(tokenizer_dir, corpus, capsys):
     from transformers import AutoTokenizer
+
     import train as train_script
 
     size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
@@ -242,19 +305,30 @@ def test_corpus_shorter_than_one_batch_is_one_clear_line(tmp_path, tokenizer_dir
 def test_window_loader_shuffles_each_epoch_and_resumes_after_the_last_completed_step():
     import numpy as np
     import torch
+
     import train as train_script
 
     cfg = SimpleNamespace(batch_size=2, seq_length=8, seed=1)
     tokens = np.arange(125 * 8 + 1)  # 125 windows; window i starts with token 8·i
 
     def loader():
-        return train_script.WindowBatches(lambda i: tokens[i * 8:(i + 1) * 8 + 1], 125, cfg, world_size=1, rank=0,
-                                          accumulation=2, device=torch.device("cpu"), prefetch=True, shuffle=True)
+        return train_script.WindowBatches(
+            lambda i: tokens[i * 8 : (i + 1) * 8 + 1],
+            125,
+            cfg,
+            world_size=1,
+            rank=0,
+            accumulation=2,
+            device=torch.device("cpu"),
+            prefetch=True,
+            shuffle=True,
+        )
 
     run_through = loader()
     inputs = [next(run_through)[0] for _ in range(130)]
     first_epoch = [int(row[0]) // 8 for batch in inputs[:62] for row in batch]
-    assert sorted(first_epoch) != first_epoch and len(set(first_epoch)) == 124  # 31 steps of 4 fit in 125 windows
+    # 31 steps of 4 fit in 125 windows
+    assert sorted(first_epoch) != first_epoch and len(set(first_epoch)) == 124
     second_epoch = [int(row[0]) // 8 for batch in inputs[63:125] for row in batch]
     assert second_epoch[:20] != first_epoch[:20]  # a new order each epoch
 
@@ -273,6 +347,7 @@ def test_streaming_loader_resumes_on_exactly_the_next_batch(tmp_path, tokenizer_
     import torch
     from datasets import load_dataset
     from transformers import AutoTokenizer
+
     import train as train_script
 
     stream = write_parquet_stream(tmp_path / "stream", column="text")
@@ -281,7 +356,9 @@ def test_streaming_loader_resumes_on_exactly_the_next_batch(tmp_path, tokenizer_
 
     def loader():
         documents = load_dataset(str(stream), split="train", streaming=True).map(tokenize, batched=True)
-        return train_script.StreamingBatches(documents, cfg, accumulation=1, device=torch.device("cpu"), prefetch=True)
+        return train_script.StreamingBatches(
+            documents, cfg, accumulation=1, device=torch.device("cpu"), prefetch=True
+        )
 
     first = loader()
     taken = [next(first) for _ in range(7)]

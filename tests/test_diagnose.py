@@ -1,6 +1,7 @@
 """When a run misbehaves: the watchdog names a hang, stragglers are named during training, the profiler
 writes a trace; the flight recorder's variables and the process-group timeouts, which need NCCL to act,
 are checked in-process."""
+
 import contextlib
 import json
 import os
@@ -8,7 +9,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -17,9 +17,9 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO, TINY, read_metrics, torchrun_command, worker_pids
 
 import train as train_script
-from conftest import REPO, TINY, read_metrics, torchrun_command, worker_pids
 
 HOST = socket.gethostname()
 
@@ -50,11 +50,17 @@ def test_a_rank_named_three_windows_in_a_row_is_warned_once(capsys):
 def test_flight_recorder_is_on_and_users_settings_win(tmp_path):
     environ = {}
     train_script.flight_recorder_env(environ, str(tmp_path))
-    assert environ == {"TORCH_FR_BUFFER_SIZE": "20000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-                       "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/flight_recorder/rank_"}
+    assert environ == {
+        "TORCH_FR_BUFFER_SIZE": "20000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/flight_recorder/rank_",
+    }
     assert (tmp_path / "flight_recorder").is_dir()
-    users = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-             "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_"}  # the variables' older names
+    users = {  # the variables' older names
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "500",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_",
+    }
     environ = dict(users)
     train_script.flight_recorder_env(environ, str(tmp_path))
     assert environ == users
@@ -64,12 +70,21 @@ def test_process_group_timeouts_drop_after_the_first_step():
     from torch.distributed.device_mesh import init_device_mesh
 
     with tempfile.NamedTemporaryFile() as store_file:
-        dist.init_process_group("gloo", store=dist.FileStore(store_file.name, 1), rank=0, world_size=1,
-                                timeout=train_script.PG_TIMEOUT_FIRST_STEP)
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(store_file.name, 1),
+            rank=0,
+            world_size=1,
+            timeout=train_script.PG_TIMEOUT_FIRST_STEP,
+        )
         try:
-            mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))  # hybrid's two groups
+            # hybrid's two groups
+            mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
             groups = [None, mesh.get_group(0), mesh.get_group(1)]
-            timeout = lambda group: (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
+
+            def timeout(group):
+                return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
+
             train_script.set_pg_timeouts(train_script.PG_TIMEOUT, mesh)
             assert [timeout(g) for g in groups] == [train_script.PG_TIMEOUT] * 3
             with train_script.generous_pg_timeouts(mesh):  # a checkpoint being written
@@ -77,7 +92,11 @@ def test_process_group_timeouts_drop_after_the_first_step():
             assert [timeout(g) for g in groups] == [train_script.PG_TIMEOUT] * 3
         finally:
             dist.destroy_process_group()
-    assert train_script.PG_TIMEOUT_FIRST_STEP > train_script.PG_TIMEOUT > timedelta(seconds=train_script.hang_minimum_s)
+    assert (
+        train_script.PG_TIMEOUT_FIRST_STEP
+        > train_script.PG_TIMEOUT
+        > timedelta(seconds=train_script.hang_minimum_s)
+    )
 
 
 @pytest.mark.parametrize("value", ["5", "8,5", "a,b", "0,3"])
@@ -85,8 +104,10 @@ def test_bad_profile_steps_is_one_line(value, capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_script.main([f"--profile_steps={value}", "--model=tiny"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip() == (f"error: --profile_steps={value}: expected two step numbers A,B with "
-                                               f"1 <= A <= B, e.g. --profile_steps=5,8")
+    assert capsys.readouterr().err.strip() == (
+        f"error: --profile_steps={value}: expected two step numbers A,B with "
+        f"1 <= A <= B, e.g. --profile_steps=5,8"
+    )
 
 
 def throttle(pid, stop_event, stopped=0.06, running=0.02):
@@ -108,11 +129,26 @@ def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
     2. After step 8 rank 1 is stopped; rank 0 waits in a collective until its watchdog (limit
        max(6 s, 4 x median step)) writes its stacks and ends the run.
     Rank 0 also profiles steps 2 and 3."""
-    args = [*TINY, f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", "--run_name=slow", "--max_steps=60",
-            "--seq_length=64", "--log_every=2", "--checkpoint_every=3", "--hang_minimum_s=6", "--hang_factor=4",
-            "--profile_steps=2,3"]
-    process = subprocess.Popen(torchrun_command("train.py", args, 2), cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
+    args = [
+        *TINY,
+        f"--log_dir={tmp_path}",
+        f"--checkpoint_dir={tmp_path}",
+        "--run_name=slow",
+        "--max_steps=60",
+        "--seq_length=64",
+        "--log_every=2",
+        "--checkpoint_every=3",
+        "--hang_minimum_s=6",
+        "--hang_factor=4",
+        "--profile_steps=2,3",
+    ]
+    process = subprocess.Popen(
+        torchrun_command("train.py", args, 2),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     done, output, stopped_at, reported_at = threading.Event(), [], None, None
     throttler = threading.Thread(target=throttle, args=(None, done))
     try:
@@ -139,7 +175,8 @@ def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
 
     # The first window's one timed step, step 2, starts as the throttling does: it may or may not name rank 1.
     windows = [line for line in output if re.match(r"step +[468]/\d+ \|", line)]
-    assert len(windows) == 3 and all(f"| straggler {HOST}:1: compute" in line for line in windows), log[-3000:]
+    named = all(f"| straggler {HOST}:1: compute" in line for line in windows)
+    assert len(windows) == 3 and named, log[-3000:]
     assert f"{HOST}:0" not in log
     records = read_metrics(tmp_path)[1:]
     assert [list(r["stragglers"]) for r in records] == [[f"{HOST}:1"]] * 3
@@ -154,12 +191,18 @@ def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
     assert 6 <= limit <= int(report[1]) and reported_at - stopped_at < limit + 5
     assert process.returncode != 0
     # The thread running main() waits in a collective.
-    main_thread = next(t for t in stack_file.read_text().split("\n\n") if re.search(r'train\.py", line \d+ in main', t))
-    assert "torch/distributed/" in main_thread and re.search(r"in (all_reduce|all_gather|wait\w*|barrier)", main_thread)
+    threads = stack_file.read_text().split("\n\n")
+    main_thread = next(t for t in threads if re.search(r'train\.py", line \d+ in main', t))
+    waits = re.search(r"in (all_reduce|all_gather|wait\w*|barrier)", main_thread)
+    assert "torch/distributed/" in main_thread and waits
     assert sorted(p.name for p in run.glob("step_*")) == ["step_3", "step_6"]  # nothing half written
     assert all((run / name / "trainer_state.json").exists() for name in ("step_3", "step_6"))
 
     trace_file = run / f"trace_steps_2-3_{HOST}_rank0.pt.trace.json"
-    steps = {e["name"] for e in json.loads(trace_file.read_text())["traceEvents"] if "train step" in e.get("name", "")}
+    steps = {
+        e["name"]
+        for e in json.loads(trace_file.read_text())["traceEvents"]
+        if "train step" in e.get("name", "")
+    }
     assert steps == {"train step 2", "train step 3"}
     assert f"profile: steps 2 to 3 traced in {trace_file}" in log

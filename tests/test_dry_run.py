@@ -1,11 +1,11 @@
 """--dry_run: the real training step on fake tensors over a fake process group, at any world size."""
+
 import re
 import subprocess
 import sys
 import time
 
 import pytest
-
 from conftest import REPO
 
 import train as train_script
@@ -31,8 +31,14 @@ def dry_run(capsys, *args):
 @pytest.mark.parametrize("model", ["tiny", "gpt2"])
 @pytest.mark.parametrize("world_size", [2, 8])
 def test_dry_run_prints_the_simulated_peak_and_a_verdict(capsys, model, world_size):
-    code, out = dry_run(capsys, f"--model={model}", f"--world_size={world_size}", *SMALL,
-                        f"--global_batch_size={8 * world_size}", "--gpu=H100")
+    code, out = dry_run(
+        capsys,
+        f"--model={model}",
+        f"--world_size={world_size}",
+        *SMALL,
+        f"--global_batch_size={8 * world_size}",
+        "--gpu=H100",
+    )
     assert code == 0, out
     peak = re.search(r"^peak memory per GPU \(simulated\): ([\d.]+) GB of 80 GB \(H100\)$", out, re.M)
     assert peak and 0 <= float(peak.group(1)) < 80, out
@@ -40,25 +46,32 @@ def test_dry_run_prints_the_simulated_peak_and_a_verdict(capsys, model, world_si
     for category in train_script.MEMORY_CATEGORIES:
         assert re.search(rf"^  {category} +[\d.]+ GB$", out, re.M), category
     assert sum(float(gb) for gb in re.findall(r"^  [a-z ]+ +([\d.]+) GB$", out, re.M)) > 0
-    flops = re.search(r"FLOPs per token: ([\d.]+) G for MFU .* ([\d.]+) G computed .*: at most (\d+)% MFU", out)
+    flops = re.search(
+        r"FLOPs per token: ([\d.]+) G for MFU .* ([\d.]+) G computed .*: at most (\d+)% MFU", out
+    )
     assert float(flops.group(2)) > float(flops.group(1))  # full activation checkpointing recomputes
 
 
 def test_accumulation_keeps_only_a_sharded_gradient_between_micro_steps():
-    """FSDP reduce-scatters every micro-step: accumulating adds the sharded fp32 gradient, never the whole one."""
+    """FSDP reduce-scatters every micro-step: accumulating adds the sharded fp32 gradient, never the
+    whole one."""
     world_size = 2
     one = simulated_peak(*GPT2_SHORT, "--global_batch_size=16", world_size=world_size)
     four = simulated_peak(*GPT2_SHORT, "--global_batch_size=64", world_size=world_size)
-    n_params = sum(p.numel() for p in train_script.build_meta_model(
-        train_script.model_config(train_script.resolve_shape(train_script.parse_args(["--model=gpt2"])))).parameters())
+    shape = train_script.resolve_shape(train_script.parse_args(["--model=gpt2"]))
+    model = train_script.build_meta_model(train_script.model_config(shape))
+    n_params = sum(p.numel() for p in model.parameters())
     sharded_gradient = 4 * n_params / world_size
     assert 0 <= sum(four.values()) - sum(one.values()) <= 1.05 * sharded_gradient
-    assert four["gradients"] < 1.05 * sharded_gradient  # no unsharded fp32 gradient (4 bytes x all parameters)
+    # no unsharded fp32 gradient (4 bytes x all parameters)
+    assert four["gradients"] < 1.05 * sharded_gradient
 
 
 def test_memory_falls_with_checkpointing_and_sharded_state_with_world_size():
-    peaks = {mode: sum(simulated_peak(*GPT2_SHORT, "--global_batch_size=16", f"--activation_checkpointing={mode}",
-                                      world_size=2).values()) for mode in ("none", "selective", "op", "full")}
+    peaks = {}
+    for mode in ("none", "selective", "op", "full"):
+        args = (*GPT2_SHORT, "--global_batch_size=16", f"--activation_checkpointing={mode}")
+        peaks[mode] = sum(simulated_peak(*args, world_size=2).values())
     assert peaks["none"] > peaks["selective"] > peaks["full"], peaks
     assert peaks["none"] > peaks["op"] > peaks["full"], peaks
     two = simulated_peak(*GPT2_SHORT, "--global_batch_size=16", world_size=2)
@@ -69,8 +82,15 @@ def test_memory_falls_with_checkpointing_and_sharded_state_with_world_size():
 
 
 def test_a_config_that_cannot_fit_exits_1_and_names_a_simulated_change_that_fits(capsys):
-    code, out = dry_run(capsys, "--model=tiny", "--world_size=2", *SMALL, "--global_batch_size=16",
-                        "--activation_checkpointing=none", "--gpu=0.07")
+    code, out = dry_run(
+        capsys,
+        "--model=tiny",
+        "--world_size=2",
+        *SMALL,
+        "--global_batch_size=16",
+        "--activation_checkpointing=none",
+        "--gpu=0.07",
+    )
     assert code == 1, out
     assert re.search(r"^peak memory per GPU \(simulated\): [\d.]+ GB of 0.07 GB$", out, re.M), out
     change = re.search(r"^verdict: does not fit; fits with (.*) \(simulated ([\d.]+) GB\)$", out, re.M)
@@ -79,8 +99,13 @@ def test_a_config_that_cannot_fit_exits_1_and_names_a_simulated_change_that_fits
 
 
 def test_ddp_and_cpu_offload_say_they_are_estimated(capsys):
-    for option, words in (("--sharding=ddp", "estimated for DDP"), ("--cpu_offload=True", "estimated for cpu_offload")):
-        code, out = dry_run(capsys, "--model=tiny", "--world_size=2", *SMALL, "--global_batch_size=16", option)
+    for option, words in (
+        ("--sharding=ddp", "estimated for DDP"),
+        ("--cpu_offload=True", "estimated for cpu_offload"),
+    ):
+        code, out = dry_run(
+            capsys, "--model=tiny", "--world_size=2", *SMALL, "--global_batch_size=16", option
+        )
         assert code == 0 and words in out, out
 
 
@@ -94,7 +119,8 @@ def test_unknown_gpu_is_one_line(capsys):
 
 def test_default_model_is_about_4b():
     shape = train_script.resolve_shape(train_script.parse_args([]))
-    count = sum(p.numel() for p in train_script.build_meta_model(train_script.model_config(shape)).parameters())
+    model = train_script.build_meta_model(train_script.model_config(shape))
+    count = sum(p.numel() for p in model.parameters())
     assert 3.8e9 <= count <= 4.3e9
 
 
@@ -104,8 +130,13 @@ def test_a_machine_that_cannot_hold_the_run_refuses_it_before_building_it(tmp_pa
     if available_memory_bytes() > 70e9:
         pytest.skip("this machine could hold the 4b model's 64 GB of state")
     started = time.perf_counter()
-    result = subprocess.run([sys.executable, str(REPO / "train.py"), f"--checkpoint_dir={tmp_path}",
-                             f"--log_dir={tmp_path}"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), f"--checkpoint_dir={tmp_path}", f"--log_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--model=4b needs at least 64.2 GB of host memory" in lines[0], result.stderr

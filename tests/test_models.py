@@ -3,22 +3,46 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO, launch, read_metrics
 
 import train as train_script
-from conftest import REPO, launch, read_metrics
 
 # Published parameter counts (model cards and papers; GPT-2's with the vocabulary padded to 50304).
 PUBLISHED = {
-    "gpt2": 124e6, "gpt2-medium": 355e6, "gpt2-large": 774e6, "gpt2-xl": 1.558e9, "4b": 4.01e9,
-    "llama2-7b": 6.74e9, "llama2-13b": 13.0e9, "llama2-70b": 69.0e9, "llama3.1-8b": 8.03e9,
-    "llama3.1-70b": 70.6e9, "llama3.2-1b": 1.24e9, "llama3.2-3b": 3.21e9, "mistral-7b": 7.24e9,
+    "gpt2": 124e6,
+    "gpt2-medium": 355e6,
+    "gpt2-large": 774e6,
+    "gpt2-xl": 1.558e9,
+    "4b": 4.01e9,
+    "llama2-7b": 6.74e9,
+    "llama2-13b": 13.0e9,
+    "llama2-70b": 69.0e9,
+    "llama3.1-8b": 8.03e9,
+    "llama3.1-70b": 70.6e9,
+    "llama3.2-1b": 1.24e9,
+    "llama3.2-3b": 3.21e9,
+    "mistral-7b": 7.24e9,
     "mixtral-8x7b": 46.7e9,
 }
-DECODER_LAYERS = {"GPT2Config": "GPT2Block", "LlamaConfig": "LlamaDecoderLayer",
-                  "MistralConfig": "MistralDecoderLayer", "MixtralConfig": "MixtralDecoderLayer"}
+DECODER_LAYERS = {
+    "GPT2Config": "GPT2Block",
+    "LlamaConfig": "LlamaDecoderLayer",
+    "MistralConfig": "MistralDecoderLayer",
+    "MixtralConfig": "MixtralDecoderLayer",
+}
 # tiny-llama with a global batch of 2 micro-steps on 2 processes, so accumulation is exercised too.
-TINY_LLAMA = ["--model=tiny-llama", "--compile=False", "--batch_size=4", "--global_batch_size=16",
-              "--seq_length=64", "--lr=3e-3", "--min_lr=1e-4", "--warmup_steps=2", "--log_every=1", "--max_steps=6"]
+TINY_LLAMA = [
+    "--model=tiny-llama",
+    "--compile=False",
+    "--batch_size=4",
+    "--global_batch_size=16",
+    "--seq_length=64",
+    "--lr=3e-3",
+    "--min_lr=1e-4",
+    "--warmup_steps=2",
+    "--log_every=1",
+    "--max_steps=6",
+]
 
 
 def meta_model(*args):
@@ -46,8 +70,14 @@ def test_llama3_2_ties_embeddings_and_llama3_1_does_not():
 
 
 def test_shape_constants_override_every_family():
-    model, config = meta_model("--model=tiny-mixtral", "--n_embd=128", "--n_layer=3", "--n_head=2",
-                               "--n_positions=64", "--vocab_size=300")
+    model, config = meta_model(
+        "--model=tiny-mixtral",
+        "--n_embd=128",
+        "--n_layer=3",
+        "--n_head=2",
+        "--n_positions=64",
+        "--vocab_size=300",
+    )
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (128, 3, 2)
     assert config.max_position_embeddings == 64 and config.vocab_size == 320  # padded to a multiple of 64
     assert len(train_script.decoder_layers(model)) == 3 and config.num_local_experts == 4
@@ -69,10 +99,18 @@ def test_gpt2_flops_leave_out_only_the_position_embedding():
 
 @pytest.fixture(scope="module")
 def fsdp_llama_losses(tmp_path_factory):
-    """One FSDP run of tiny-llama with selective activation checkpointing, the reference of the other modes."""
+    """One FSDP run of tiny-llama with selective activation checkpointing, the reference of the other
+    modes."""
     log_dir = tmp_path_factory.mktemp("fsdp")
-    result = launch("train.py", [f"--log_dir={log_dir}", f"--checkpoint_dir={log_dir}", *TINY_LLAMA,
-                                 "--activation_checkpointing=selective"])
+    result = launch(
+        "train.py",
+        [
+            f"--log_dir={log_dir}",
+            f"--checkpoint_dir={log_dir}",
+            *TINY_LLAMA,
+            "--activation_checkpointing=selective",
+        ],
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return [r["loss"] for r in read_metrics(log_dir)]
 
@@ -83,8 +121,14 @@ def test_tiny_llama_learns_with_fsdp(fsdp_llama_losses):
     assert fsdp_llama_losses[-1] < fsdp_llama_losses[0] - 0.2, fsdp_llama_losses
 
 
-@pytest.mark.parametrize("mode", [["--sharding=ddp", "--activation_checkpointing=full"], ["--cpu_offload=True"],
-                                  ["--activation_checkpointing=op"]])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--sharding=ddp", "--activation_checkpointing=full"],
+        ["--cpu_offload=True"],
+        ["--activation_checkpointing=op"],
+    ],
+)
 def test_ddp_and_cpu_offload_compute_the_fsdp_losses(train, tmp_path, fsdp_llama_losses, mode):
     """Same initial weights (drawn whole, whatever the wrapping), same batches: the same losses."""
     train(tmp_path, *TINY_LLAMA, *mode, "--run_name=mode")
@@ -97,7 +141,14 @@ def test_ddp_and_cpu_offload_compute_the_fsdp_losses(train, tmp_path, fsdp_llama
 def test_tiny_mixtral_learns_with_fsdp_as_in_one_process(train, tmp_path):
     """Expert weights are sharded like any other; one process accumulating 2 micro-steps computes the same."""
     train(tmp_path / "two", *TINY_LLAMA, "--model=tiny-mixtral", "--max_steps=4", "--global_batch_size=8")
-    train(tmp_path / "one", *TINY_LLAMA, "--model=tiny-mixtral", "--max_steps=4", "--global_batch_size=8", nproc=0)
+    train(
+        tmp_path / "one",
+        *TINY_LLAMA,
+        "--model=tiny-mixtral",
+        "--max_steps=4",
+        "--global_batch_size=8",
+        nproc=0,
+    )
     losses = [r["loss"] for r in read_metrics(tmp_path / "two")]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
     assert losses[-1] < losses[0] and len(set(losses)) == 4, losses
@@ -110,13 +161,29 @@ def test_init_from_starts_at_the_saved_models_loss(train, tmp_path, tied, shardi
 
     torch.manual_seed(0)
     # A wide initialisation puts its loss far from the log(vocab) of a freshly initialised model.
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=300, max_position_embeddings=128, initializer_range=0.2,
-                         tie_word_embeddings=tied)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        tie_word_embeddings=tied,
+    )
     pretrained = LlamaForCausalLM(config).eval()
     pretrained.save_pretrained(tmp_path / "pretrained")
-    train(tmp_path / "logs", f"--init_from={tmp_path / 'pretrained'}", f"--sharding={sharding}", "--compile=False",
-          "--batch_size=4", "--global_batch_size=8", "--seq_length=64", "--max_steps=1")
+    train(
+        tmp_path / "logs",
+        f"--init_from={tmp_path / 'pretrained'}",
+        f"--sharding={sharding}",
+        "--compile=False",
+        "--batch_size=4",
+        "--global_batch_size=8",
+        "--seq_length=64",
+        "--max_steps=1",
+    )
     batch = torch.stack([train_script.dummy_sample(i, 64, 300, train_script.seed) for i in range(8)])
     with torch.no_grad():
         logits = pretrained(input_ids=batch[:, :-1]).logits
@@ -132,22 +199,28 @@ def write_config(tmp_path, text):
 
 
 def test_config_file_sets_constants_and_flags_override_it(tmp_path, capsys):
-    path = write_config(tmp_path, "model: tiny-llama\nbatch_size: 2\nlr: 1e-4\ncompile: false\nn_layer: null\n")
+    path = write_config(
+        tmp_path, "model: tiny-llama\nbatch_size: 2\nlr: 1e-4\ncompile: false\nn_layer: null\n"
+    )
     cfg = train_script.parse_args([f"--config={path}", "--batch_size=4"])
     assert (cfg.model, cfg.batch_size, cfg.lr, cfg.compile) == ("tiny-llama", 4, 1e-4, False)
-    assert train_script.main(["--dry_run", f"--config={path}", "--global_batch_size=8", "--world_size=1"]) == 0
+    code = train_script.main(["--dry_run", f"--config={path}", "--global_batch_size=8", "--world_size=1"])
+    assert code == 0
     out = capsys.readouterr().out
     assert "model=tiny-llama" in out and "batch_size=2 " in out and "global_batch_size=8 " in out
 
 
-@pytest.mark.parametrize("text, message", [
-    ("batch_sise: 4\n", "run.yaml: unknown key 'batch_sise'; did you mean batch_size?"),
-    ("batch_size: four\n", "run.yaml: batch_size expects an integer, got 'four'"),
-    ("batch_size: 2.5\n", "run.yaml: batch_size expects an integer, got 2.5"),
-    ("compile: 1.0\n", "run.yaml: compile expects true or false, got 1.0"),
-    ("model: 7\n", "run.yaml: model expects a string, got 7"),
-    ("- model\n", "run.yaml: expected a mapping of name: value, got list"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("batch_sise: 4\n", "run.yaml: unknown key 'batch_sise'; did you mean batch_size?"),
+        ("batch_size: four\n", "run.yaml: batch_size expects an integer, got 'four'"),
+        ("batch_size: 2.5\n", "run.yaml: batch_size expects an integer, got 2.5"),
+        ("compile: 1.0\n", "run.yaml: compile expects true or false, got 1.0"),
+        ("model: 7\n", "run.yaml: model expects a string, got 7"),
+        ("- model\n", "run.yaml: expected a mapping of name: value, got list"),
+    ],
+)
 def test_config_file_errors_are_one_line_naming_file_and_key(tmp_path, capsys, text, message):
     path = write_config(tmp_path, text)
     with pytest.raises(SystemExit) as exit_info:
@@ -157,12 +230,18 @@ def test_config_file_errors_are_one_line_naming_file_and_key(tmp_path, capsys, t
     assert message in err and str(tmp_path) in err and len(err.splitlines()) == 1, err
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--activation_checkpointing=some"], "--activation_checkpointing=some is not one of: none, full, op, selective"),
-    (["--sharding=ddp", "--cpu_offload=True"], "--cpu_offload=True needs FSDP"),
-    (["--init_from=/nonexistent/model"], "--init_from=/nonexistent/model: "),
-    (["--init_from={saved}", "--n_layer=2"], "brings its own shape; drop --n_embd"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--activation_checkpointing=some"],
+            "--activation_checkpointing=some is not one of: none, full, op, selective",
+        ),
+        (["--sharding=ddp", "--cpu_offload=True"], "--cpu_offload=True needs FSDP"),
+        (["--init_from=/nonexistent/model"], "--init_from=/nonexistent/model: "),
+        (["--init_from={saved}", "--n_layer=2"], "brings its own shape; drop --n_embd"),
+    ],
+)
 def test_bad_model_options_are_one_clear_line(args, message, capsys, tmp_path):
     from transformers import LlamaConfig
 
@@ -174,8 +253,10 @@ def test_bad_model_options_are_one_clear_line(args, message, capsys, tmp_path):
     assert message in err and len(err.splitlines()) == 1, err
 
 
-@pytest.mark.skipif(not hasattr(train_script, "tokenizer"),
-                    reason="the example configs name the data branch's constants (data=wikitext|c4, tokenizer)")
+@pytest.mark.skipif(
+    not hasattr(train_script, "tokenizer"),
+    reason="the example configs name the data branch's constants (data=wikitext|c4, tokenizer)",
+)
 @pytest.mark.parametrize("name", ["gpt2-4b-wikitext.yaml", "llama3.2-1b-c4.yaml"])
 def test_example_configs_pass_the_checks(name, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -183,18 +264,30 @@ def test_example_configs_pass_the_checks(name, monkeypatch):
     train_script.check_config(cfg, train_script.resolve_shape(cfg), world_size=8)
 
 
-@pytest.mark.parametrize("mode, wrapped", [("none", []), ("full", [0, 1, 2, 3]), ("selective", [1, 3]), ("true", [0, 1, 2, 3])])
+@pytest.mark.parametrize(
+    "mode, wrapped", [("none", []), ("full", [0, 1, 2, 3]), ("selective", [1, 3]), ("true", [0, 1, 2, 3])]
+)
 def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped):
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    cfg = train_script.parse_args(["--model=tiny-llama", "--n_layer=4", "--compile=False", "--sharding=ddp",
-                                   f"--activation_checkpointing={mode}", "--ac_every=2"])
+    cfg = train_script.parse_args(
+        [
+            "--model=tiny-llama",
+            "--n_layer=4",
+            "--compile=False",
+            "--sharding=ddp",
+            f"--activation_checkpointing={mode}",
+            "--ac_every=2",
+        ]
+    )
     shape = train_script.resolve_shape(cfg)
     train_script.check_config(cfg, shape, world_size=1)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        model = train_script.build_model(train_script.model_config(shape), cfg, torch.device("cpu"), mesh=None)
+        model = train_script.build_model(
+            train_script.model_config(shape), cfg, torch.device("cpu"), mesh=None
+        )
     finally:
         dist.destroy_process_group()
     layers = model.model.layers
@@ -207,8 +300,15 @@ def test_op_level_checkpointing_gives_the_plain_loss_and_gradients(preset):
     tokens, targets = torch.randint(0, 512, (2, 64)), torch.randint(0, 512, (2, 64))
     results = {}
     for mode in ("none", "op"):
-        cfg = train_script.parse_args([f"--model={preset}", "--compile=False", "--sharding=ddp", "--mixed_precision=fp32",
-                                       f"--activation_checkpointing={mode}"])
+        cfg = train_script.parse_args(
+            [
+                f"--model={preset}",
+                "--compile=False",
+                "--sharding=ddp",
+                "--mixed_precision=fp32",
+                f"--activation_checkpointing={mode}",
+            ]
+        )
         shape = train_script.resolve_shape(cfg)
         train_script.check_config(cfg, shape, world_size=1)
         config = train_script.model_config(shape)

@@ -1,4 +1,5 @@
 """The README's first command, as a user runs it on a machine without SLURM or GPUs."""
+
 import os
 import re
 import subprocess
@@ -8,7 +9,9 @@ from conftest import REPO
 
 def test_quick_start_trains_tiny_on_two_cpu_processes_and_the_loss_falls():
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    result = subprocess.run(["bash", "slurm_submit.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        ["bash", "slurm_submit.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "phase 1: benchmark.py --quick" in result.stdout
     # one node: no peers for the CPU figures; a slow rank in a collective would warn and training goes on

@@ -1,17 +1,17 @@
 """Living with a run: its folder, trackers, curves, relaunches, export and sampling, signals, offline hubs."""
+
 import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, TINY, launch, read_metrics, run_until, torchrun_command, worker_pids
 
 import train as train_script
-from conftest import REPO, TINY, launch, read_metrics, run_until, torchrun_command, worker_pids
 
 RUN = [*TINY, "--max_steps=6", "--run_name=life", "--checkpoint_every=100"]
 
@@ -26,8 +26,8 @@ def wandb_records(path):
         if 32768 - offset % 32768 < 7:  # a block's tail too short for a header is padding
             offset += 32768 - offset % 32768
             continue
-        length, kind = int.from_bytes(data[offset + 4:offset + 6], "little"), data[offset + 6]
-        pending += data[offset + 7:offset + 7 + length]
+        length, kind = int.from_bytes(data[offset + 4 : offset + 6], "little"), data[offset + 6]
+        pending += data[offset + 7 : offset + 7 + length]
         offset += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -39,8 +39,7 @@ def wandb_records(path):
 def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_path):
     report = tmp_path / "benchmark_7.yaml"
     env = {"WANDB_MODE": "offline", "BENCHMARK_REPORT": str(report), "SLURM_JOB_ID": "7"}
-    common = [f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ckpt'}",
-              "--wandb=fsdp-test"]
+    common = [f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ckpt'}", "--wandb=fsdp-test"]
     code, output = run_until([*common, *RUN], tmp_path / "logs", 1, signal.SIGTERM, env=env)
     assert code != 0 and "stopped by signal after step" in output, output[-3000:]
 
@@ -76,10 +75,12 @@ def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_pa
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert replay.stdout.strip().splitlines()[-1] == (
         f"run life already finished at step 6 ({tmp_path / 'ckpt' / 'life' / 'step_6'}); nothing to do. "
-        "Pass --run_name=NEW for a new run, or a larger --max_steps to train on.")
+        "Pass --run_name=NEW for a new run, or a larger --max_steps to train on."
+    )
     assert "model exported" not in replay.stdout
-    longer = launch("train.py", [f"--config={folder / 'config.yaml'}", "--max_steps=8", "--wandb=none"],
-                    nproc=0)
+    longer = launch(
+        "train.py", [f"--config={folder / 'config.yaml'}", "--max_steps=8", "--wandb=none"], nproc=0
+    )
     assert longer.returncode == 0 and "resumed from" in longer.stdout, longer.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "logs")] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert "max_steps: 8" in (folder / "config.yaml").read_text()
@@ -92,9 +93,20 @@ def test_export_from_any_step_and_sample(tmp_path, capsys, model, ckpt_format):
 
     import sample
 
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY,
-                                 f"--model={model}", "--max_steps=2", "--run_name=run",
-                                 f"--ckpt_format={ckpt_format}", "--tensorboard=False"], nproc=0)
+    result = launch(
+        "train.py",
+        [
+            f"--log_dir={tmp_path}",
+            f"--checkpoint_dir={tmp_path}",
+            *TINY,
+            f"--model={model}",
+            "--max_steps=2",
+            "--run_name=run",
+            f"--ckpt_format={ckpt_format}",
+            "--tensorboard=False",
+        ],
+        nproc=0,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert train_script.main([f"--export_from={tmp_path / 'run' / 'step_2'}"]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export_step_2")
@@ -105,8 +117,8 @@ def test_export_from_any_step_and_sample(tmp_path, capsys, model, ckpt_format):
 
     capsys.readouterr()
     for source in ("final_model", "step_2"):  # a checkpoint is exported on the fly
-        assert sample.main([f"--init_from={tmp_path / 'run' / source}", "--prompt=1 2 3", "--num_samples=2",
-                            "--max_new_tokens=5", "--temperature=0"]) == 0
+        options = ["--prompt=1 2 3", "--num_samples=2", "--max_new_tokens=5", "--temperature=0"]
+        assert sample.main([f"--init_from={tmp_path / 'run' / source}", *options]) == 0
     samples = [line for line in capsys.readouterr().out.splitlines() if line.startswith("1 2 3")]
     assert len(samples) == 4 and len(set(samples)) == 1, samples  # greedy: the same from both
     assert len(samples[0].split()) == 8
@@ -127,8 +139,17 @@ def wait_for_catching(pid, number, timeout=120):
 def test_a_stop_signal_exits_at_once_when_it_cannot_checkpoint(tmp_path, when):
     """Rank 0 is frozen, so rank 1 waits for it forever: before training in the process group's set-up, or
     inside a step's collective. A signal before training, or a second one inside a step, exits at once."""
-    command = torchrun_command("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN,
-                                            "--max_steps=1000", "--checkpoint_every=1"], 2)
+    command = torchrun_command(
+        "train.py",
+        [
+            f"--log_dir={tmp_path}",
+            f"--checkpoint_dir={tmp_path}",
+            *RUN,
+            "--max_steps=1000",
+            "--checkpoint_every=1",
+        ],
+        2,
+    )
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         if when == "before training":  # rank 0 frozen while it imports: it never reaches the process group
@@ -166,8 +187,13 @@ def test_an_unreachable_hub_fails_in_seconds(tmp_path, offline):
     """No hub here: whether HF_HUB_OFFLINE says so or a first request finds out, no retries."""
     env = {"HF_HUB_OFFLINE": offline, "HF_HOME": str(tmp_path / "hf")}
     started = time.monotonic()
-    result = launch("train.py", ["--data=wikitext", "--prepare_only", f"--data_cache={tmp_path}"], nproc=0,
-                    env=env, cwd=tmp_path)
+    result = launch(
+        "train.py",
+        ["--data=wikitext", "--prepare_only", f"--data_cache={tmp_path}"],
+        nproc=0,
+        env=env,
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert "Retry" not in result.stderr, result.stderr[-2000:]
     assert "cannot load tokenizer 'gpt2'" in result.stderr, result.stderr[-2000:]

@@ -1,6 +1,7 @@
 """The job scripts on a real SLURM: a controller and two slurmd ("nodes" n1, n2) on this one host, started
 by tests/slurm_cluster.sh (needs root; installs Debian's slurm packages when missing). The nodes have no
 GPU, so every job runs 2 CPU processes per node: world size 4 over 2 nodes."""
+
 import fcntl
 import json
 import os
@@ -18,20 +19,35 @@ REPO = Path(__file__).resolve().parents[1]
 # run as if from a login shell, also when the tests themselves run inside a SLURM job
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
 # the smallest training that still exercises FSDP, checkpoints and resume on 4 CPU processes
-TINY = ["--model=tiny", "--data=dummy", "--seq_length=16", "--batch_size=1", "--global_batch_size=4",
-        "--compile=False", "--activation_checkpointing=False", "--log_every=1", "--tensorboard=False"]
+TINY = [
+    "--model=tiny",
+    "--data=dummy",
+    "--seq_length=16",
+    "--batch_size=1",
+    "--global_batch_size=4",
+    "--compile=False",
+    "--activation_checkpointing=False",
+    "--log_every=1",
+    "--tensorboard=False",
+]
 
 
 @pytest.fixture(scope="module")
 def cluster():
     if os.geteuid() != 0:
-        pytest.skip("SLURM tests need root: tests/slurm_cluster.sh installs packages and starts slurmctld/slurmd")
+        pytest.skip(
+            "SLURM tests need root: tests/slurm_cluster.sh installs packages and starts slurmctld/slurmd"
+        )
     if not shutil.which("slurmctld") and not shutil.which("apt-get"):
-        pytest.skip("SLURM tests need Debian's slurm packages (slurmctld, slurmd, slurm-client, munge) or apt-get")
+        pytest.skip(
+            "SLURM tests need Debian's slurm packages (slurmctld, slurmd, slurm-client, munge) or apt-get"
+        )
     # `up` restarts the cluster: a second test session on this machine waits instead of breaking this one
     with open("/tmp/slurm_cluster.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        up = subprocess.run(["bash", "tests/slurm_cluster.sh", "up"], cwd=REPO, capture_output=True, text=True)
+        up = subprocess.run(
+            ["bash", "tests/slurm_cluster.sh", "up"], cwd=REPO, capture_output=True, text=True
+        )
         if up.returncode != 0:
             message = f"could not bring up the SLURM cluster: {(up.stderr or up.stdout).strip()[-2000:]}"
             if os.environ.get("CI"):
@@ -51,12 +67,23 @@ def submit(script, tmp, *args, sbatch=(), **knobs):
 
 def job(job_id):
     """The job's fields from scontrol (the cluster has no accounting, so no sacct)."""
-    line = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
+    line = subprocess.run(
+        ["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, check=True
+    ).stdout
     return dict(re.findall(r"(\w+)=(\S*)", line))
 
 
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-         "PREEMPTED"}
+ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 def wait(job_id, tmp, timeout=240, on_poll=None):
@@ -84,8 +111,14 @@ def metrics(log_dir):
 
 
 def test_benchmark_only_two_nodes(cluster, tmp_path):
-    job_id = submit("benchmark_only.sh", tmp_path, "--quick", f"--report_dir={tmp_path}",
-                    f"--storage_path={tmp_path}", sbatch=["--nodes=2"])
+    job_id = submit(
+        "benchmark_only.sh",
+        tmp_path,
+        "--quick",
+        f"--report_dir={tmp_path}",
+        f"--storage_path={tmp_path}",
+        sbatch=["--nodes=2"],
+    )
     fields, output = wait(job_id, tmp_path)
     report = yaml.safe_load((tmp_path / f"benchmark_{job_id}.yaml").read_text())
     assert report["world"]["ranks"] == 4 and report["world"]["nodes"] == 2, output
@@ -96,14 +129,24 @@ def test_benchmark_only_two_nodes(cluster, tmp_path):
     assert not [c for c in report["checks"] if c["status"] == "fail"], report["checks"]
     assert fields["ExitCode"] == "0:0", output
     assert "intra_node" in report["nccl"] and report["links"]["one_rank_per_node"]["ranks"] == 2
-    assert {p.name for p in tmp_path.glob(f"benchmark_{job_id}_rank*.yaml")} == \
-        {f"benchmark_{job_id}_rank0.yaml", f"benchmark_{job_id}_rank2.yaml"}
+    assert {p.name for p in tmp_path.glob(f"benchmark_{job_id}_rank*.yaml")} == {
+        f"benchmark_{job_id}_rank0.yaml",
+        f"benchmark_{job_id}_rank2.yaml",
+    }
 
 
 def test_training_across_two_nodes_writes_a_checkpoint(cluster, tmp_path):
-    job_id = submit("slurm_submit.sh", tmp_path, *TINY, "--max_steps=4", "--checkpoint_every=2",
-                    f"--log_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ckpt",
-                    sbatch=["--nodes=2"], SKIP_BENCHMARK="1")
+    job_id = submit(
+        "slurm_submit.sh",
+        tmp_path,
+        *TINY,
+        "--max_steps=4",
+        "--checkpoint_every=2",
+        f"--log_dir={tmp_path}/logs",
+        f"--checkpoint_dir={tmp_path}/ckpt",
+        sbatch=["--nodes=2"],
+        SKIP_BENCHMARK="1",
+    )
     fields, output = wait(job_id, tmp_path)
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", output
     assert f"job {job_id} on n1 n2" in output and "world_size=4" in output, output
@@ -115,7 +158,9 @@ def training_processes(job_id):
     """The job's training processes on this host (both "nodes"): the children of its torchruns."""
     pgrep = ["pgrep", "-d,", "-f", "--", f"--rdzv_id={job_id} "]
     launchers = subprocess.run(pgrep, capture_output=True, text=True).stdout.strip()
-    children = subprocess.run(["pgrep", "-P", launchers], capture_output=True, text=True).stdout if launchers else ""
+    children = (
+        subprocess.run(["pgrep", "-P", launchers], capture_output=True, text=True).stdout if launchers else ""
+    )
     return [int(pid) for pid in children.split()]
 
 
@@ -128,9 +173,17 @@ def test_time_limit_checkpoints_requeues_and_resumes(cluster, tmp_path):
     # launcher signals one of the 4 ranks; train.py tells the others, on both nodes.
     # The 2-minute limit leaves a busy machine time to start, stop and checkpoint.
     max_steps = 40
-    job_id = submit("slurm_submit.sh", tmp_path, *TINY, f"--max_steps={max_steps}", "--checkpoint_every=1000",
-                    f"--log_dir={tmp_path}/logs", f"--checkpoint_dir={tmp_path}/ckpt",
-                    sbatch=["--nodes=2", "--time=2", "--signal=B:USR1@90"], SKIP_BENCHMARK="1")
+    job_id = submit(
+        "slurm_submit.sh",
+        tmp_path,
+        *TINY,
+        f"--max_steps={max_steps}",
+        "--checkpoint_every=1000",
+        f"--log_dir={tmp_path}/logs",
+        f"--checkpoint_dir={tmp_path}/ckpt",
+        sbatch=["--nodes=2", "--time=2", "--signal=B:USR1@90"],
+        SKIP_BENCHMARK="1",
+    )
     paused = {"pids": [], "done": False}
 
     def pause_until_signalled(fields):
@@ -161,14 +214,21 @@ def test_time_limit_checkpoints_requeues_and_resumes(cluster, tmp_path):
 
 
 def test_impossible_node_count_is_rejected_at_submission(cluster):
-    out = subprocess.run(["sbatch", "--nodes=3", "slurm_submit.sh"], cwd=REPO, env=ENV, capture_output=True, text=True)
+    out = subprocess.run(
+        ["sbatch", "--nodes=3", "slurm_submit.sh"], cwd=REPO, env=ENV, capture_output=True, text=True
+    )
     assert out.returncode != 0 and "Node count specification invalid" in out.stderr, out.stderr
 
 
 def test_failed_benchmark_stops_the_job_before_training(cluster, tmp_path):
     # on one node (sbatch overrides the script's 2); bad benchmark input fails phase 1 like a failed check
-    job_id = submit("slurm_submit.sh", tmp_path, f"--log_dir={tmp_path}/logs", sbatch=["--nodes=1"],
-                    BENCHMARK_ARGS=f"--only=nonsense --report_dir={tmp_path}")
+    job_id = submit(
+        "slurm_submit.sh",
+        tmp_path,
+        f"--log_dir={tmp_path}/logs",
+        sbatch=["--nodes=1"],
+        BENCHMARK_ARGS=f"--only=nonsense --report_dir={tmp_path}",
+    )
     fields, output = wait(job_id, tmp_path)
     assert fields["JobState"] == "FAILED" and fields["NumNodes"] == "1", output
     assert f"job {job_id} on n1:" in output and "benchmark failed" in output, output

@@ -1,7 +1,6 @@
 import math
 
 import pytest
-
 from conftest import TINY, launch, read_metrics
 
 
@@ -34,39 +33,59 @@ def test_one_process_with_accumulation_matches_two_processes(train, tmp_path):
 @pytest.fixture(scope="module")
 def full_sharding_losses(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("full")
-    result = launch("train.py", [f"--log_dir={log_dir}", f"--checkpoint_dir={log_dir}", *TINY, "--max_steps=3"])
+    result = launch(
+        "train.py", [f"--log_dir={log_dir}", f"--checkpoint_dir={log_dir}", *TINY, "--max_steps=3"]
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return [r["loss"] for r in read_metrics(log_dir)]
 
 
-@pytest.mark.parametrize("option", ["--sharding=grad_op", "--sharding=hybrid", "--activation_checkpointing=op"])
-def test_sharding_and_checkpointing_modes_compute_the_same_losses(train, tmp_path, full_sharding_losses, option):
+@pytest.mark.parametrize(
+    "option", ["--sharding=grad_op", "--sharding=hybrid", "--activation_checkpointing=op"]
+)
+def test_sharding_and_checkpointing_modes_compute_the_same_losses(
+    train, tmp_path, full_sharding_losses, option
+):
     train(tmp_path, *TINY, "--max_steps=3", option)
     assert [r["loss"] for r in read_metrics(tmp_path)] == pytest.approx(full_sharding_losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("args, env, message", [
-    (["--batch_sise=4"], {}, "unknown option --batch_sise; did you mean --batch_size?"),
-    (["--batch_size=four"], {}, "--batch_size expects an integer, got 'four'"),
-    (["--compile=maybe"], {}, "--compile expects true or false"),
-    (["--global_batch_size=12", "--batch_size=8"], {"WORLD_SIZE": "1"}, "--global_batch_size=12 is not divisible"),
-    (["--global_batch_size=16", "--batch_size=4"], {"WORLD_SIZE": "3"}, "batch_size x world size = 4 x 3"),
-    (["--model=gpt2", "--seq_length=2048"], {}, "--seq_length=2048 exceeds the model's 1024 positions"),
-    (["--n_embd=100", "--n_head=3"], {}, "--n_embd=100 is not divisible by --n_head=3"),
-    (["--sharding=zero3"], {}, "--sharding=zero3 is not one of: full, grad_op, hybrid"),
-    (["--model=gpt3"], {}, "--model=gpt3 is not a preset"),
-    (["batch_size=4"], {}, "options are written --name=value"),
-    (["--lr=inf"], {}, "--lr expects a finite number, got 'inf'"),
-    (["--min_lr=nan"], {}, "--min_lr expects a finite number, got 'nan'"),
-    (["--eval_every=-1"], {}, "--eval_every must not be negative (0: never), got -1"),
-    (["--val_fraction=1.5"], {}, "--val_fraction must lie between 0 and 1, got 1.5"),
-    (["--keep_last=-1"], {}, "--keep_last must not be negative, got -1"),
-    (["--init_from=./no_such_model"], {}, "--init_from=./no_such_model: no such folder"),
-    (["--init_from=/no/such/model"], {}, "--init_from=/no/such/model: no such folder"),
-    (["--model=tiny", "--log_dir=/proc/logs"], {}, "--log_dir=/proc/logs is not writable"),
-    (["--model=tiny", "--data=train.py", "--data_cache=/proc/cache", "--tokenizer=./no_tokenizer"], {},
-     "--tokenizer=./no_tokenizer: no such folder"),
-])
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--batch_sise=4"], {}, "unknown option --batch_sise; did you mean --batch_size?"),
+        (["--batch_size=four"], {}, "--batch_size expects an integer, got 'four'"),
+        (["--compile=maybe"], {}, "--compile expects true or false"),
+        (
+            ["--global_batch_size=12", "--batch_size=8"],
+            {"WORLD_SIZE": "1"},
+            "--global_batch_size=12 is not divisible",
+        ),
+        (
+            ["--global_batch_size=16", "--batch_size=4"],
+            {"WORLD_SIZE": "3"},
+            "batch_size x world size = 4 x 3",
+        ),
+        (["--model=gpt2", "--seq_length=2048"], {}, "--seq_length=2048 exceeds the model's 1024 positions"),
+        (["--n_embd=100", "--n_head=3"], {}, "--n_embd=100 is not divisible by --n_head=3"),
+        (["--sharding=zero3"], {}, "--sharding=zero3 is not one of: full, grad_op, hybrid"),
+        (["--model=gpt3"], {}, "--model=gpt3 is not a preset"),
+        (["batch_size=4"], {}, "options are written --name=value"),
+        (["--lr=inf"], {}, "--lr expects a finite number, got 'inf'"),
+        (["--min_lr=nan"], {}, "--min_lr expects a finite number, got 'nan'"),
+        (["--eval_every=-1"], {}, "--eval_every must not be negative (0: never), got -1"),
+        (["--val_fraction=1.5"], {}, "--val_fraction must lie between 0 and 1, got 1.5"),
+        (["--keep_last=-1"], {}, "--keep_last must not be negative, got -1"),
+        (["--init_from=./no_such_model"], {}, "--init_from=./no_such_model: no such folder"),
+        (["--init_from=/no/such/model"], {}, "--init_from=/no/such/model: no such folder"),
+        (["--model=tiny", "--log_dir=/proc/logs"], {}, "--log_dir=/proc/logs is not writable"),
+        (
+            ["--model=tiny", "--data=train.py", "--data_cache=/proc/cache", "--tokenizer=./no_tokenizer"],
+            {},
+            "--tokenizer=./no_tokenizer: no such folder",
+        ),
+    ],
+)
 def test_bad_input_is_one_clear_line(args, env, message, capsys, monkeypatch):
     """Checked in-process: the error must come before any process group or model exists."""
     import train as train_script
@@ -95,16 +114,19 @@ def test_each_invalid_option_is_its_own_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         train_script.main(["--batch_size=0", "--warmup_steps=-1", "--grad_clip=-2"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines() == ["error: --batch_size must be positive, got 0",
-                                                    "error: --warmup_steps must not be negative, got -1",
-                                                    "error: --grad_clip must not be negative, got -2.0"]
+    assert capsys.readouterr().err.splitlines() == [
+        "error: --batch_size must be positive, got 0",
+        "error: --warmup_steps must not be negative, got -1",
+        "error: --grad_clip must not be negative, got -2.0",
+    ]
 
 
 def test_config_error_under_torchrun_is_printed_once(train, tmp_path):
     result = train(tmp_path, *TINY, "--lr=inf", expect_ok=False)
     assert result.returncode != 0
     assert [line for line in result.stderr.splitlines() if line.startswith("error:")] == [
-        "error: --lr expects a finite number, got 'inf'"]
+        "error: --lr expects a finite number, got 'inf'"
+    ]
 
 
 def test_plain_run_picks_a_free_port(train, tmp_path):

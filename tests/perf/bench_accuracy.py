@@ -22,6 +22,7 @@ rounds; each figure is the median over rounds, so a noisy neighbour hits both al
 table of ours vs reference with ratios; the goal is within 15%. Exits 1 if fio is missing
 (the memory comparison still runs) or a figure misses.
 """
+
 import argparse
 import json
 import os
@@ -33,6 +34,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -59,9 +61,21 @@ def fio_command(folder: Path, phase: str, cfg: dict) -> list:
         "parallel_write": ("par", "write", "1M", size // workers, workers),
         "parallel_read": ("par", "read", "1M", size // workers, workers),
     }[phase]
-    command = ["fio", f"--name={name}", f"--directory={folder}", f"--rw={rw}", f"--bs={block}", f"--size={size_MiB}M",
-               f"--numjobs={jobs}", "--direct=1", "--ioengine=psync", "--iodepth=1", "--end_fsync=1",
-               "--fallocate=none", "--output-format=json"] + (["--iomem=shmhuge"] if fio_huge_pages(cfg) else [])
+    command = [
+        "fio",
+        f"--name={name}",
+        f"--directory={folder}",
+        f"--rw={rw}",
+        f"--bs={block}",
+        f"--size={size_MiB}M",
+        f"--numjobs={jobs}",
+        "--direct=1",
+        "--ioengine=psync",
+        "--iodepth=1",
+        "--end_fsync=1",
+        "--fallocate=none",
+        "--output-format=json",
+    ] + (["--iomem=shmhuge"] if fio_huge_pages(cfg) else [])
     if rw == "randread":
         command += [f"--runtime={cfg['random_read_seconds']}", "--time_based"]
     return command
@@ -69,8 +83,10 @@ def fio_command(folder: Path, phase: str, cfg: dict) -> list:
 
 def fio_figure(folder: Path, phase: str, cfg: dict) -> float:
     """GB/s (all jobs' bytes over the longest job's run time) or IOPS, as fio measured it."""
-    output = subprocess.run(fio_command(folder, phase, cfg), capture_output=True, text=True, check=True).stdout
-    jobs = json.loads(output[output.index("{"):])["jobs"]
+    output = subprocess.run(
+        fio_command(folder, phase, cfg), capture_output=True, text=True, check=True
+    ).stdout
+    jobs = json.loads(output[output.index("{") :])["jobs"]
     side = "write" if phase.endswith("write") else "read"
     if phase.startswith("random"):
         return sum(job[side]["iops"] for job in jobs)
@@ -86,18 +102,25 @@ def numpy_memory(n_elements: int, cores: int, repeats: int) -> dict:
     """STREAM-style numpy: copy b = a and triad a = b + 3c over three float64 arrays."""
     a, b, c = np.full(n_elements, 1.0), np.full(n_elements, 2.0), np.full(n_elements, 0.5)
 
+    def copy_part(start, stop):
+        np.copyto(b[start:stop], a[start:stop])
+
     def triad(start, stop):
         for i in range(start, stop, TRIAD_BLOCK):
             j = min(i + TRIAD_BLOCK, stop)
             np.multiply(c[i:j], 3.0, out=a[i:j])
             np.add(a[i:j], b[i:j], out=a[i:j])
+
+    def seconds(pool, kernel, parts):
+        """Median time of kernel(start, stop) over every part at once, each part on a pool thread."""
+        return benchmark.median_seconds(lambda: list(pool.map(lambda s: kernel(*s), parts)), repeats=repeats)
+
     bounds = np.linspace(0, n_elements, cores + 1).astype(int).tolist()
+    one_thread, all_cores = [(0, n_elements)], list(zip(bounds[:-1], bounds[1:]))
     figures = {}
     with ThreadPoolExecutor(cores) as pool:  # copyto and the ufuncs release the GIL on big arrays
-        for label, parts in (("1thread", [(0, n_elements)]), ("all_cores", list(zip(bounds[:-1], bounds[1:])))):
-            copy = benchmark.median_seconds(lambda: list(pool.map(lambda s: np.copyto(b[s[0]:s[1]], a[s[0]:s[1]]), parts)),
-                                            repeats=repeats)
-            tri = benchmark.median_seconds(lambda: list(pool.map(lambda s: triad(*s), parts)), repeats=repeats)
+        for label, parts in (("1thread", one_thread), ("all_cores", all_cores)):
+            copy, tri = seconds(pool, copy_part, parts), seconds(pool, triad, parts)
             figures[f"copy_{label}_GB/s"] = benchmark.stream_bytes("copy", n_elements) / copy / 1e9
             figures[f"triad_{label}_GB/s"] = benchmark.stream_bytes("triad", n_elements) / tri / 1e9
     return figures
@@ -107,7 +130,9 @@ STREAM_C = r"""
 #include <stdio.h>
 #include <stdlib.h>
 #include <omp.h>
-static int by_value(const void *x, const void *y) { double a = *(const double *)x, b = *(const double *)y; return (a > b) - (a < b); }
+static int by_value(const void *x, const void *y) {
+    double a = *(const double *)x, b = *(const double *)y; return (a > b) - (a < b);
+}
 int main(int argc, char **argv) {
     long n = atol(argv[1]); int repeats = atoi(argv[2]);
     double *a = malloc(n * 8), *b = malloc(n * 8), *c = malloc(n * 8), copy[64], triad[64];
@@ -134,15 +159,22 @@ def compile_stream(folder: Path) -> Path | None:
     if not shutil.which("gcc"):
         return None
     (folder / "stream.c").write_text(STREAM_C)
-    subprocess.run(["gcc", "-O3", "-march=native", "-fopenmp", "stream.c", "-o", "stream"], cwd=folder, check=True)
+    subprocess.run(
+        ["gcc", "-O3", "-march=native", "-fopenmp", "stream.c", "-o", "stream"], cwd=folder, check=True
+    )
     return folder / "stream"
 
 
 def c_stream(program: Path, n_elements: int, cores: int, repeats: int) -> dict:
     figures = {}
     for label, threads in (("1thread", 1), ("all_cores", cores)):
-        output = subprocess.run([str(program), str(n_elements), str(repeats)], capture_output=True, text=True,
-                                check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)}).stdout
+        output = subprocess.run(
+            [str(program), str(n_elements), str(repeats)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+        ).stdout
         figures[f"copy_{label}_GB/s"], figures[f"triad_{label}_GB/s"] = map(float, output.split())
     return figures
 
@@ -156,7 +188,10 @@ def compare_storage(cfg: dict, rounds: int, ours: dict, reference: dict) -> str:
             phases = benchmark.storage_phases(mine, cfg, direct)
             for phase in benchmark.STORAGE_PHASES:
                 key = f"{phase}_{phases[phase][0]}"
-                runs = [(ours, lambda: our_figure(phases, phase)), (reference, lambda: fio_figure(theirs, phase, cfg))]
+                runs = [
+                    (ours, partial(our_figure, phases, phase)),
+                    (reference, partial(fio_figure, theirs, phase, cfg)),
+                ]
                 for figures, run in runs[::-1] if round_number % 2 else runs:
                     figures.setdefault(key, []).append(run())
         finally:
@@ -167,8 +202,10 @@ def compare_storage(cfg: dict, rounds: int, ours: dict, reference: dict) -> str:
 
 def compare_memory(cfg: dict, rounds: int, ours: dict, reference: dict, stream: dict, program: Path | None):
     n_elements, cores = cfg["memory_MiB"] * benchmark.MiB // 8, benchmark.usable_cores()
-    runs = [(ours, lambda: benchmark.memory_section(cfg)),
-            (reference, lambda: numpy_memory(n_elements, cores, cfg["repeats"]))]
+    runs = [
+        (ours, lambda: benchmark.memory_section(cfg)),
+        (reference, lambda: numpy_memory(n_elements, cores, cfg["repeats"])),
+    ]
     if program:
         runs.append((stream, lambda: c_stream(program, n_elements, cores, cfg["repeats"])))
     for round_number in range(rounds):
@@ -186,30 +223,44 @@ def main() -> int:
     parser.add_argument("--memory_MiB", type=int, default=benchmark.MODES["default"]["memory_MiB"])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    cfg = {**benchmark.MODES["default"], "storage_path": args.path, "storage_MiB": args.storage_MiB,
-           "storage_workers": args.storage_workers, "memory_MiB": args.memory_MiB}
+    cfg = {
+        **benchmark.MODES["default"],
+        "storage_path": args.path,
+        "storage_MiB": args.storage_MiB,
+        "storage_workers": args.storage_workers,
+        "memory_MiB": args.memory_MiB,
+    }
     ours, reference, method = {}, {}, "storage not measured"
     if shutil.which("fio"):
         method = compare_storage(cfg, args.rounds, ours, reference)
-        method += f"; fio buffer {'huge pages (shmhuge)' if fio_huge_pages(cfg) else '4 KiB pages (no huge pages reserved)'}"
+        buffer = "huge pages (shmhuge)" if fio_huge_pages(cfg) else "4 KiB pages (no huge pages reserved)"
+        method += f"; fio buffer {buffer}"
     else:
-        print("bench_accuracy.py: fio is not installed (Debian: apt-get install -y fio); comparing memory only",
-              file=sys.stderr)
+        print(
+            "bench_accuracy.py: fio is not installed (Debian: apt-get install -y fio); comparing memory only",
+            file=sys.stderr,
+        )
     stream = {}
     with tempfile.TemporaryDirectory() as build:
         compare_memory(cfg, args.rounds, ours, reference, stream, compile_stream(Path(build)))
-    print(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {benchmark.usable_cores()} cores; median of "
-          f"{args.rounds} rounds; storage {Path(args.path).resolve()}, {args.storage_MiB} MiB, "
-          f"{args.storage_workers} workers, {method}; memory 3 x {args.memory_MiB} MiB float64")
-    print("| figure | benchmark.py | reference | ratio | reference is | STREAM in C | ratio |\n|---|---|---|---|---|---|---|")
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {benchmark.usable_cores()} cores; median of "
+        f"{args.rounds} rounds; storage {Path(args.path).resolve()}, {args.storage_MiB} MiB, "
+        f"{args.storage_workers} workers, {method}; memory 3 x {args.memory_MiB} MiB float64"
+    )
+    print("| figure | benchmark.py | reference | ratio | reference is | STREAM in C | ratio |")
+    print("|---|---|---|---|---|---|---|")
     misses = 0
     for key in reference:
         mine, theirs = statistics.median(ours[key]), statistics.median(reference[key])
         missed = abs(mine / theirs - 1) > GOAL
         misses += missed
         source = "numpy" if key.startswith(("copy", "triad")) else "fio"
-        in_c = f"{statistics.median(stream[key]):.4g} | {mine / statistics.median(stream[key]):.2f}" if key in stream else "|"
-        print(f"| {key} | {mine:.4g} | {theirs:.4g} | {mine / theirs:.2f}{' MISS' if missed else ''} | {source} | {in_c} |")
+        in_c = "|"
+        if key in stream:
+            in_c = f"{statistics.median(stream[key]):.4g} | {mine / statistics.median(stream[key]):.2f}"
+        ratio = f"{mine / theirs:.2f}{' MISS' if missed else ''}"
+        print(f"| {key} | {mine:.4g} | {theirs:.4g} | {ratio} | {source} | {in_c} |")
     return 1 if misses or not shutil.which("fio") else 0
 
 

@@ -7,6 +7,7 @@ Prints GB/s (GB = 1e9 bytes) for: a plain fsync'd sequential write of the same n
 a synchronous sharded save, the time an async save blocks training, and a load; and how much of the
 save is its checksums, and how long checking them before a load takes.
 """
+
 import argparse
 import os
 import shutil
@@ -44,8 +45,10 @@ def timed(function, *args):
 def save_without_checksums(model, optimizer, folder):
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(dict(zip(("model", "optimizer"), train.model_and_optimizer_state(model, optimizer, full=False))),
-             checkpoint_id=folder)
+    dcp.save(
+        dict(zip(("model", "optimizer"), train.model_and_optimizer_state(model, optimizer, full=False))),
+        checkpoint_id=folder,
+    )
 
 
 def main():
@@ -58,8 +61,16 @@ def main():
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = train.parse_args([f"--model={args.model}", "--compile=False", "--activation_checkpointing=False",
-                            f"--checkpoint_dir={args.dir}", "--run_name=bench", "--keep_last=0"])
+    cfg = train.parse_args(
+        [
+            f"--model={args.model}",
+            "--compile=False",
+            "--activation_checkpointing=False",
+            f"--checkpoint_dir={args.dir}",
+            "--run_name=bench",
+            "--keep_last=0",
+        ]
+    )
     shape = train.resolve_shape(cfg)
     train.check_config(cfg, shape, 1)
     config = train.model_config(shape)
@@ -72,7 +83,12 @@ def main():
     optimizer.step()
     n_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # weights + 2 moments
     batches = train.open_batches(cfg, train.parse_source(cfg), shape, None, 1, 0, 1, device)[0]
-    state = {"step": 1, "tokens_seen": 0, "config": vars(cfg), "shape": {k: getattr(shape, k) for k in train.SHAPE_NAMES}}
+    state = {
+        "step": 1,
+        "tokens_seen": 0,
+        "config": vars(cfg),
+        "shape": {k: getattr(shape, k) for k in train.SHAPE_NAMES},
+    }
 
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
@@ -101,14 +117,18 @@ def main():
     def line(name, seconds, note=""):
         print(f"{name:<38} {n_bytes / seconds / 1e9:6.2f} GB/s  {seconds:6.2f} s  {note}")
 
-    print(f"model {args.model}: {n_bytes / 1e9:.2f} GB of weights and AdamW moments (fp32); "
-          f"best of {args.repeat}")
+    print(
+        f"model {args.model}: {n_bytes / 1e9:.2f} GB of weights and AdamW moments (fp32); "
+        f"best of {args.repeat}"
+    )
     print(f"{'disk sequential write (fsync)':<38} {disk:6.2f} GB/s")
     line("sharded save with checksums", sync_seconds, f"{n_bytes / sync_seconds / 1e9 / disk:5.0%} of disk")
     line("DCP save alone, no checksums", bare_seconds, f"{n_bytes / bare_seconds / 1e9 / disk:5.0%} of disk")
     line("  of which the checksums", hash_seconds, f"{hash_seconds / sync_seconds:5.0%} of the save")
-    print(f"{'async save: training blocked for':<38} {blocked_seconds:6.2f} s  "
-          f"{blocked_seconds / sync_seconds:5.0%} of the sync save")
+    print(
+        f"{'async save: training blocked for':<38} {blocked_seconds:6.2f} s  "
+        f"{blocked_seconds / sync_seconds:5.0%} of the sync save"
+    )
     line("load", load_seconds)
     line("checksums checked before the load", verify_seconds, f"{verify_seconds / load_seconds:5.0%} of load")
     dist.destroy_process_group()

@@ -6,6 +6,7 @@ rank handed to the training loop), against what a 4B model consumes on one H200 
 It writes its own corpus (Zipf-distributed made-up words, one document per line) and trains a byte-level
 BPE tokenizer on it, so it needs no network; the figures go to docs/PERFORMANCE.md by hand.
 """
+
 import argparse
 import functools
 import json
@@ -23,8 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
 
-H200_4B_TOKENS_PER_S = 20_000   # a 4B model at 50% MFU on one H200
-GOAL = 50                       # the loader must deliver at least this multiple of it
+H200_4B_TOKENS_PER_S = 20_000  # a 4B model at 50% MFU on one H200
+GOAL = 50  # the loader must deliver at least this multiple of it
 
 
 def write_corpus(folder, megabytes, seed=0):
@@ -50,9 +51,13 @@ def train_tokenizer(corpus, folder):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     sample = (corpus / "train.txt").read_text()[: 5 * 2**20].splitlines()
-    tokenizer.train_from_iterator(sample, trainers.BpeTrainer(vocab_size=16_384, special_tokens=["<|endoftext|>"],
-                                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(folder / "tokenizer")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=16_384, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet
+    )
+    tokenizer.train_from_iterator(sample, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
+    wrapped.save_pretrained(folder / "tokenizer")
     return folder / "tokenizer"
 
 
@@ -80,13 +85,19 @@ def main():
         tokenizer_dir = train_tokenizer(corpus, tmp)
         cache = tmp / "cache"
 
+        prepare = [
+            "--prepare_only",
+            f"--data={corpus}",
+            f"--tokenizer={tokenizer_dir}",
+            f"--data_cache={cache}",
+        ]
         start = time.perf_counter()
-        train.main(["--prepare_only", f"--data={corpus}", f"--tokenizer={tokenizer_dir}", f"--data_cache={cache}"])
+        train.main(prepare)
         prepare_s = time.perf_counter() - start
         (token_file,) = cache.glob("corpus-*/train.bin")
         n_tokens = json.loads(Path(f"{token_file}.json").read_text())["tokens"]
         start = time.perf_counter()
-        train.main(["--prepare_only", f"--data={corpus}", f"--tokenizer={tokenizer_dir}", f"--data_cache={cache}"])
+        train.main(prepare)
         reuse_s = time.perf_counter() - start
 
         # One rank of 8 on a node, as in a 4B run: batch_size windows of seq_length + 1 per micro-step.
@@ -95,8 +106,17 @@ def main():
         n_windows = (len(tokens) - 1) // args.seq_length
         window = functools.partial(train.token_window, tokens, args.seq_length)
         batch_tokens = args.batch_size * args.seq_length
-        windows = train.WindowBatches(window, n_windows, cfg, world_size=8, rank=3, accumulation=4,
-                                      device=torch.device("cpu"), prefetch=True, shuffle=True)
+        windows = train.WindowBatches(
+            window,
+            n_windows,
+            cfg,
+            world_size=8,
+            rank=3,
+            accumulation=4,
+            device=torch.device("cpu"),
+            prefetch=True,
+            shuffle=True,
+        )
         window_rate = loader_rate(windows, batch_tokens)
 
         import pyarrow as pa
@@ -110,18 +130,29 @@ def main():
         pq.write_table(pa.table({"text": lines}), parquet / "train.parquet")
         tokenize = train.tokenize_documents(AutoTokenizer.from_pretrained(tokenizer_dir), "text")
         documents = load_dataset(str(parquet), split="train", streaming=True).map(tokenize, batched=True)
-        stream = train.StreamingBatches(documents, cfg, accumulation=4, device=torch.device("cpu"), prefetch=True)
+        stream = train.StreamingBatches(
+            documents, cfg, accumulation=4, device=torch.device("cpu"), prefetch=True
+        )
         stream_rate = loader_rate(stream, batch_tokens)
 
     need = H200_4B_TOKENS_PER_S
     print(f"machine: {cores} cores available, torch {torch.__version__}")
     print(f"corpus: {args.mb} MiB of text, {n_tokens:,} tokens (byte-level BPE, 16k vocabulary)")
-    print(f"preparation: {n_tokens / prepare_s:,.0f} tokens/s ({prepare_s:.1f} s, load + tokenise on {cores} cores + write); "
-          f"reuse check (size + checksum): {reuse_s:.2f} s")
-    print(f"loader, prepared token file: {window_rate:,.0f} tokens/s per rank = {window_rate / need:,.0f}x a 4B model on one H200 "
-          f"(goal {GOAL}x: {'met' if window_rate >= GOAL * need else 'NOT met'})")
-    print(f"loader, streaming parquet (tokenising on the fly): {stream_rate:,.0f} tokens/s per rank = {stream_rate / need:,.1f}x "
-          f"(goal {GOAL}x: {'met' if stream_rate >= GOAL * need else 'NOT met'})")
+    print(
+        f"preparation: {n_tokens / prepare_s:,.0f} tokens/s "
+        f"({prepare_s:.1f} s, load + tokenise on {cores} cores + write); "
+        f"reuse check (size + checksum): {reuse_s:.2f} s"
+    )
+    print(
+        f"loader, prepared token file: {window_rate:,.0f} tokens/s per rank "
+        f"= {window_rate / need:,.0f}x a 4B model on one H200 "
+        f"(goal {GOAL}x: {'met' if window_rate >= GOAL * need else 'NOT met'})"
+    )
+    print(
+        f"loader, streaming parquet (tokenising on the fly): {stream_rate:,.0f} tokens/s per rank "
+        f"= {stream_rate / need:,.1f}x "
+        f"(goal {GOAL}x: {'met' if stream_rate >= GOAL * need else 'NOT met'})"
+    )
 
 
 if __name__ == "__main__":
