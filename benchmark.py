@@ -66,41 +66,22 @@ SECTIONS = ("gpu", "nccl", "links", "storage", "cpu", "memory")
 HOPPER = {"fp32": 66.9, "tf32": 494.7, "bf16": 989.4, "fp8": 1978.9}  # SXM, 700 W
 HOPPER_NVL = {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp8": 1670.5}  # PCIe card, 350-400 W
 AMPERE = {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp8": None}
+# fmt: off
 DATASHEET = {
-    "GB200": {
-        "fp32": 80.0,
-        "tf32": 1250.0,
-        "bf16": 2500.0,
-        "fp8": 5000.0,
-        "memory_GBps": 8000.0,
-        "memory_GB": 186.0,
-    },
-    "B200": {
-        "fp32": 75.0,
-        "tf32": 1100.0,
-        "bf16": 2250.0,
-        "fp8": 4500.0,
-        "memory_GBps": 7700.0,
-        "memory_GB": 180.0,
-    },
+    "GB200": dict(fp32=80.0, tf32=1250.0, bf16=2500.0, fp8=5000.0, memory_GBps=8000.0, memory_GB=186.0),
+    "B200": dict(fp32=75.0, tf32=1100.0, bf16=2250.0, fp8=4500.0, memory_GBps=7700.0, memory_GB=180.0),
     "GH200 144G": {**HOPPER, "memory_GBps": 4900.0, "memory_GB": 144.0},
     "GH200": {**HOPPER, "memory_GBps": 4000.0, "memory_GB": 96.0},
     "H200 NVL": {**HOPPER_NVL, "memory_GBps": 4800.0, "memory_GB": 141.0},
     "H200": {**HOPPER, "memory_GBps": 4800.0, "memory_GB": 141.0},
     "H100 NVL": {**HOPPER_NVL, "memory_GBps": 3900.0, "memory_GB": 94.0},
-    "H100 PCIe": {
-        "fp32": 51.0,
-        "tf32": 378.0,
-        "bf16": 756.0,
-        "fp8": 1513.0,
-        "memory_GBps": 2000.0,
-        "memory_GB": 80.0,
-    },
+    "H100 PCIe": dict(fp32=51.0, tf32=378.0, bf16=756.0, fp8=1513.0, memory_GBps=2000.0, memory_GB=80.0),
     "H100": {**HOPPER, "memory_GBps": 3350.0, "memory_GB": 80.0},
     "A100-SXM4-80GB": {**AMPERE, "memory_GBps": 2039.0, "memory_GB": 80.0},
     "A100 80GB PCIe": {**AMPERE, "memory_GBps": 1935.0, "memory_GB": 80.0},
     "A100": {**AMPERE, "memory_GBps": 1555.0, "memory_GB": 40.0},
 }
+# fmt: on
 
 # Verdict thresholds. A member more than STRAGGLER_TOLERANCE below the median of its peers is
 # flagged (a fail for GPUs and node pairs, a warn for CPU and host-memory figures); a GPU below
@@ -145,48 +126,22 @@ INTER_NODE_FLOOR_FRACTION = 0.5
 # Sizes per mode; the CLI overrides some. Default: under 60 s per 8-GPU node (docs/PERFORMANCE.md).
 # GPU figures: gpu_warmup_s of warm-up, then gpu_seconds of back-to-back calls in windows of
 # gpu_window_s; the throttling ratio is the last window's rate over the first's.
+# fmt: off
 MODES = {
-    "default": dict(
-        matmul_size=8192,
-        nccl_max_MiB=None,
-        storage_MiB=1024,
-        storage_workers=8,
-        memory_MiB=256,
-        gpu_copy_MiB=1024,
-        gpu_warmup_s=1.0,
-        gpu_seconds=3.0,
-        gpu_window_s=1.0,
-        cpu_matmul_size=2048,
-        zlib_MiB=2,
-        sort_Melem=8,
-        cpu_units_per_core=8,
-        repeats=5,
-        random_read_seconds=1.0,
-        collective_warmup=5,
-        collective_iters=20,
-        pingpong_iters=50,
-    ),
-    "quick": dict(
-        matmul_size=4096,
-        nccl_max_MiB=None,
-        storage_MiB=64,
-        storage_workers=4,
-        memory_MiB=64,
-        gpu_copy_MiB=256,
-        gpu_warmup_s=1.0,
-        gpu_seconds=1.0,
-        gpu_window_s=0.25,
-        cpu_matmul_size=1024,
-        zlib_MiB=1,
-        sort_Melem=1,
-        cpu_units_per_core=2,
-        repeats=3,
-        random_read_seconds=0.2,
-        collective_warmup=1,
-        collective_iters=3,
-        pingpong_iters=10,
-    ),
+    "default": dict(matmul_size=8192, nccl_max_MiB=None, storage_MiB=1024, storage_workers=8,
+                    memory_MiB=256, gpu_copy_MiB=1024, gpu_warmup_s=1.0, gpu_seconds=3.0,
+                    gpu_window_s=1.0, cpu_matmul_size=2048,
+                    zlib_MiB=2, sort_Melem=8, cpu_units_per_core=8, repeats=5,
+                    random_read_seconds=1.0, collective_warmup=5, collective_iters=20,
+                    pingpong_iters=50),
+    "quick": dict(matmul_size=4096, nccl_max_MiB=None, storage_MiB=64, storage_workers=4,
+                  memory_MiB=64, gpu_copy_MiB=256, gpu_warmup_s=1.0, gpu_seconds=1.0,
+                  gpu_window_s=0.25, cpu_matmul_size=1024,
+                  zlib_MiB=1, sort_Melem=1, cpu_units_per_core=2, repeats=3,
+                  random_read_seconds=0.2, collective_warmup=1, collective_iters=3,
+                  pingpong_iters=10),
 }
+# fmt: on
 # Largest collective message by (device, quick): gloo on CPU is ~100x slower than NCCL on NVLink.
 # On GPU, 1 GiB: NVLS all-reduce levels off only above 256 MiB (nccl-tests sweeps to 8 GiB).
 NCCL_MAX_MiB = {("cuda", False): 1024, ("cuda", True): 256, ("cpu", False): 16, ("cpu", True): 1}
