@@ -82,7 +82,7 @@ def test_flops_per_token_agrees_with_the_flop_counter(preset):
     from transformers import AutoModelForCausalLM
 
     cfg = train_script.parse_args([f"--model={preset}"])
-    config = train_script.model_config(train_script.resolve_shape(cfg))
+    config = train_script.build_model_config(train_script.resolve_shape(cfg))
     config._attn_implementation = config._experts_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config)
     seq_length, batch = 128, 2
@@ -99,7 +99,7 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(preset):
     from transformers import AutoModelForCausalLM
 
     cfg = train_script.parse_args([f"--model={preset}"])
-    config = train_script.model_config(train_script.resolve_shape(cfg))
+    config = train_script.build_model_config(train_script.resolve_shape(cfg))
     model = AutoModelForCausalLM.from_config(config)
     tokens = torch.randint(0, config.vocab_size, (3, 50))
     targets = torch.randint(0, config.vocab_size, (3, 50))
@@ -132,9 +132,8 @@ def test_hardware_flops_count_the_recomputation(mode, preset):
             "--seq_length=128",
         ]
     )
-    shape = train_script.resolve_shape(cfg)
-    train_script.check_config(cfg, shape, world_size=1)
-    config = train_script.model_config(shape)
+    shape = train_script.validate(cfg)
+    config = train_script.build_model_config(shape)
     config._attn_implementation = "eager"
     model = train_script.build_model(config, cfg, torch.device("cpu"), mesh=None)
     train_script.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)

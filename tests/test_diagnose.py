@@ -37,11 +37,11 @@ def test_a_rank_named_three_windows_in_a_row_is_warned_once(capsys):
     stragglers = train_script.Stragglers(["n1:0", "n2:0"])
     slow, even = [[10.0, 0.1], [20.0, 0.1]], [[10.0, 0.1], [10.0, 0.1]]
     for timings in (slow, slow, even, slow, slow):  # an even window breaks the streak
-        record = stragglers.window(timings, steps=10)
+        record = stragglers.log_window(timings, steps=10)
     assert record["stragglers"] == {"n2:0": {"compute_s": 2.0}} and record["compute_s"] == pytest.approx(1.5)
     assert capsys.readouterr().out == ""
-    stragglers.window(slow, steps=10)
-    stragglers.window(slow, steps=10)
+    stragglers.log_window(slow, steps=10)
+    stragglers.log_window(slow, steps=10)
     warnings = capsys.readouterr().out.splitlines()
     assert len(warnings) == 1 and "n2:0 has been a straggler for 3 log windows in a row" in warnings[0]
     assert "sbatch --exclude=n2 slurm_submit.sh" in warnings[0]

@@ -16,10 +16,9 @@ GPT2_SHORT = ["--model=gpt2", "--seq_length=256"]  # a real shape, simulated in 
 
 def simulated_peak(*args, world_size):
     """Peak bytes per rank by category, from the dry run's own simulation."""
-    cfg = train_script.parse_args(["--dry_run", *SMALL, *args])
-    shape = train_script.resolve_shape(cfg)
-    train_script.check_config(cfg, shape, world_size)
-    return train_script.simulate_peak_memory(cfg, train_script.model_config(shape), world_size)
+    cfg = train_script.parse_args(["--dry_run", *SMALL, *args, f"--world_size={world_size}"])
+    shape = train_script.validate(cfg)
+    return train_script.simulate_peak_memory(cfg, train_script.build_model_config(shape), world_size)
 
 
 def dry_run(capsys, *args):
@@ -59,7 +58,7 @@ def test_accumulation_keeps_only_a_sharded_gradient_between_micro_steps():
     one = simulated_peak(*GPT2_SHORT, "--global_batch_size=16", world_size=world_size)
     four = simulated_peak(*GPT2_SHORT, "--global_batch_size=64", world_size=world_size)
     shape = train_script.resolve_shape(train_script.parse_args(["--model=gpt2"]))
-    model = train_script.build_meta_model(train_script.model_config(shape))
+    model = train_script.build_meta_model(train_script.build_model_config(shape))
     n_params = sum(p.numel() for p in model.parameters())
     sharded_gradient = 4 * n_params / world_size
     assert 0 <= sum(four.values()) - sum(one.values()) <= 1.05 * sharded_gradient
@@ -119,7 +118,7 @@ def test_unknown_gpu_is_one_line(capsys):
 
 def test_default_model_is_about_4b():
     shape = train_script.resolve_shape(train_script.parse_args([]))
-    model = train_script.build_meta_model(train_script.model_config(shape))
+    model = train_script.build_meta_model(train_script.build_model_config(shape))
     count = sum(p.numel() for p in model.parameters())
     assert 3.8e9 <= count <= 4.3e9
 

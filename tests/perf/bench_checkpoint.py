@@ -71,9 +71,8 @@ def main():
             "--keep_last=0",
         ]
     )
-    shape = train.resolve_shape(cfg)
-    train.check_config(cfg, shape, 1)
-    config = train.model_config(shape)
+    shape = train.validate(cfg)
+    config = train.build_model_config(shape)
     device = torch.device("cpu")
     model = train.build_model(config, cfg, device, init_device_mesh("cpu", (1,)))
     optimizer = train.build_optimizer(model, cfg, device)
@@ -82,18 +81,12 @@ def main():
         param.grad = torch.randn_like(param)
     optimizer.step()
     n_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # weights + 2 moments
-    batches = train.open_batches(cfg, train.parse_source(cfg), shape, None, 1, 0, 1, device)[0]
-    state = {
-        "step": 1,
-        "tokens_seen": 0,
-        "config": vars(cfg),
-        "shape": {k: getattr(shape, k) for k in train.SHAPE_NAMES},
-    }
+    batches = train.open_batches(cfg, shape, None, 1, 0, 1, device)[0]
 
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     disk = disk_write_gbps(args.dir, n_bytes)
-    checkpointer = train.Checkpointer(cfg, 0, 1)
+    checkpointer = train.Checkpointer(cfg, shape, 0, 1)
     step_1 = os.path.join(args.dir, "bench", "step_1")
     plain = os.path.join(args.dir, "plain")
     sync, bare, hashing, verify, load = [], [], [], [], []
@@ -101,16 +94,20 @@ def main():
         shutil.rmtree(step_1, ignore_errors=True)
         bare.append(timed(save_without_checksums, model, optimizer, plain))
         shutil.rmtree(plain)
-        sync.append(timed(checkpointer.save, 1, model, optimizer, scheduler, batches, state))
+        sync.append(
+            timed(checkpointer.save, {"step": 1, "tokens_seen": 0}, model, optimizer, scheduler, batches)
+        )
         hashing.append(timed(checkpointer.checksums, step_1))  # the part of save() that hashes
         verify.append(timed(checkpointer.problem, step_1))
-        load.append(timed(checkpointer.load, step_1, model, optimizer, scheduler, shape, batches))
+        load.append(timed(checkpointer.load, step_1, model, optimizer, scheduler, batches))
     sync_seconds, bare_seconds, verify_seconds, load_seconds = min(sync), min(bare), min(verify), min(load)
     hash_seconds = min(hashing)
 
     cfg.async_checkpoint = True
-    async_checkpointer = train.Checkpointer(cfg, 0, 1)
-    blocked_seconds = timed(async_checkpointer.save, 2, model, optimizer, scheduler, batches, state)
+    async_checkpointer = train.Checkpointer(cfg, shape, 0, 1)
+    blocked_seconds = timed(
+        async_checkpointer.save, {"step": 2, "tokens_seen": 0}, model, optimizer, scheduler, batches
+    )
     async_checkpointer.finish()
     shutil.rmtree(args.dir, ignore_errors=True)
 
