@@ -577,8 +577,8 @@ DUMMY_EPOCH_SAMPLES = 2**20  # what one epoch of dummy data means for num_epochs
 DUMMY_PERIOD = 8  # each dummy sequence repeats a random block of this many tokens
 
 
-def dummy_window(index, seq_length, vocab, seed):
-    return dummy_sample(index, seq_length, vocab, seed).numpy()
+def dummy_window(seq_length, vocab_size, seed, index):
+    return dummy_sample(index, seq_length, vocab_size, seed).numpy()
 
 
 def dummy_sample(index, seq_length, vocab_size, seed):
@@ -841,9 +841,9 @@ class Batches:
 
     def __next__(self):
         if self.items is None:
-            self.items = (
-                prefetched(self.produce(), 4 * self.accumulation) if self.prefetch else self.produce()
-            )
+            self.items = self.produce()
+            if self.prefetch:
+                self.items = prefetched(self.items, 4 * self.accumulation)
         windows, position = next(self.items)
         self.taken += 1
         if self.taken % self.accumulation == 0:
@@ -872,7 +872,7 @@ class WindowBatches(Batches):
 
     def __init__(self, window, n_windows, args, world_size, rank, accumulation, device, prefetch, shuffle):
         super().__init__(accumulation, device, prefetch)
-        self.log_window, self.n_windows, self.world_size, self.rank = window, n_windows, world_size, rank
+        self.window, self.n_windows, self.world_size, self.rank = window, n_windows, world_size, rank
         self.batch_size, self.seed, self.shuffle = args.batch_size, args.seed, shuffle
         self.step_samples = accumulation * world_size * args.batch_size
         self.position = {"epoch": 0, "offset": 0}
@@ -888,7 +888,7 @@ class WindowBatches(Batches):
                     sample_epoch, index = divmod(sample, self.n_windows)
                     if self.shuffle:
                         index = epoch_order(self.n_windows, self.seed, sample_epoch)[index]
-                    rows.append(self.log_window(index))
+                    rows.append(self.window(index))
                 yield np.stack(rows).astype(np.int64), {"epoch": epoch, "offset": offset}
             step += 1
 
@@ -914,11 +914,10 @@ class StreamingBatches(Batches):
                 buffer += document["input_ids"]
                 tokens_read += len(document["input_ids"])
                 while len(buffer) >= self.batch_tokens:
-                    windows = np.array(buffer[: self.batch_tokens], dtype=np.int64).reshape(
-                        self.batch_size, -1
-                    )
+                    windows = np.array(buffer[: self.batch_tokens], dtype=np.int64)
                     del buffer[: self.batch_tokens]
-                    yield windows, {"stream": self.documents.state_dict(), "buffer": list(buffer)}
+                    position = {"stream": self.documents.state_dict(), "buffer": list(buffer)}
+                    yield windows.reshape(self.batch_size, -1), position
             if not tokens_read:
                 raise ValueError("this rank's share of the stream holds no text")
             stream = self.start
@@ -945,9 +944,8 @@ def stream_splits(args, name, config, tokenizer, world_size, rank):
     tokenize = tokenize_documents(tokenizer, args.text_column)
 
     def share(split):
-        return split_dataset_by_node(splits[split], rank=rank, world_size=world_size).map(
-            tokenize, batched=True
-        )
+        shard = split_dataset_by_node(splits[split], rank=rank, world_size=world_size)
+        return shard.map(tokenize, batched=True)
 
     return [share(split) if split in splits else None for split in ("train", "validation")]
 
@@ -962,9 +960,7 @@ def open_batches(args, shape, tokenizer, world_size, rank, accumulation, device)
         return train, evaluation if validation is not None else None, None
     batches = functools.partial(WindowBatches, args=args, world_size=world_size, rank=rank, device=device)
     if kind == "dummy":
-        window = functools.partial(
-            dummy_window, seq_length=args.seq_length, vocab=shape.vocab_size, seed=args.seed
-        )
+        window = functools.partial(dummy_window, args.seq_length, shape.vocab_size, args.seed)
         train = batches(window, DUMMY_EPOCH_SAMPLES, accumulation=accumulation, prefetch=True, shuffle=False)
         return train, None, DUMMY_EPOCH_SAMPLES // args.global_batch_size
     paths = shared_token_files(args, kind, name, config, tokenizer, rank)
@@ -2244,10 +2240,10 @@ class Progress:
             if self.master:
                 print(f"time to first step: {self.first_step_end - self.start_time:.1f} s", flush=True)
         else:
-            self.log_window.update(
-                seconds=self.log_window["seconds"] + self.step_seconds, timed=self.log_window["timed"] + 1
-            )
-        self.log_window.update(loss=self.log_window["loss"] + loss, steps=self.log_window["steps"] + 1)
+            self.log_window["seconds"] += self.step_seconds
+            self.log_window["timed"] += 1
+        self.log_window["loss"] += loss
+        self.log_window["steps"] += 1
         self.bad_steps = 0 if math.isfinite(grad_norm) else self.bad_steps + 1
         if self.bad_steps and self.master:
             print(

@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -122,6 +123,19 @@ def test_export_from_any_step_and_sample(tmp_path, capsys, model, ckpt_format):
     samples = [line for line in capsys.readouterr().out.splitlines() if line.startswith("1 2 3")]
     assert len(samples) == 4 and len(set(samples)) == 1, samples  # greedy: the same from both
     assert len(samples[0].split()) == 8
+
+    # A checkpoint is verified before it is exported: one flipped byte is named, and nothing is written.
+    shard = max((tmp_path / "run" / "step_2").glob("*.distcp" if ckpt_format == "sharded" else "*.pt"),
+                key=lambda path: path.stat().st_size)  # fmt: skip
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    shutil.rmtree(tmp_path / "run" / "export_step_2")
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([f"--export_from={tmp_path / 'run' / 'step_2'}"])
+    assert exit_info.value.code == 2
+    assert f"{shard.name} does not match its checksum (corrupt)" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "export_step_2").exists()
 
 
 def wait_for_catching(pid, number, timeout=120):
