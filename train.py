@@ -688,14 +688,12 @@ def load_document_splits(args, kind, name, config):
 
     cache_dir = os.path.join(args.data_cache, "hf")
     if kind == "hub":
-        try:
-            splits = load_dataset(name, config, cache_dir=cache_dir)
-        except OSError as error:  # unreachable (ConnectionError) or not there
-            raise ConfigError(
-                f"cannot load {name} from the Hugging Face hub ({str(error).splitlines()[0]}) and nothing "
-                f"is prepared in {args.data_cache}; run `python train.py --prepare_only --data={args.data} "
-                f"--tokenizer={args.tokenizer} --data_cache={args.data_cache}` on a machine with internet"
-            ) from None
+        fix = (
+            f" and nothing is prepared in {args.data_cache}; run `python train.py --prepare_only "
+            f"--data={args.data} --tokenizer={args.tokenizer} --data_cache={args.data_cache}` on a machine "
+            f"with internet"
+        )
+        splits = load_hub_dataset(args, name, config, fix, cache_dir=cache_dir)
     else:
         files = corpus_files(name)
         formats = sorted({os.path.splitext(path)[1] for path in files} & set(FILE_BUILDERS))
@@ -709,11 +707,7 @@ def load_document_splits(args, kind, name, config):
         # In a folder, files named like train/validation/test become those splits (datasets' naming rules).
         where = dict(data_files=name) if os.path.isfile(name) else dict(data_dir=name)
         splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=cache_dir)
-    if args.text_column not in splits["train"].column_names:
-        raise ConfigError(
-            f"--text_column={args.text_column} is not a column of --data={args.data}; "
-            f"columns: {', '.join(splits['train'].column_names)}"
-        )
+        check_text_column(args, splits["train"].column_names)
     if "validation" not in splits:
         if splits["train"].num_rows < 2:
             raise ConfigError(
@@ -723,6 +717,29 @@ def load_document_splits(args, kind, name, config):
         held_out = splits["train"].train_test_split(test_size=args.val_fraction, seed=0)
         splits = {"train": held_out["train"], "validation": held_out["test"]}
     return splits
+
+
+def load_hub_dataset(args, name, config, fix, **options):
+    """A dataset of the hub, whose train split must hold --text_column; when the hub cannot give it
+    (unreachable, or not there), one line that ends with fix."""
+    from datasets import load_dataset
+
+    try:
+        splits = load_dataset(name, config, **options)
+    except OSError as error:  # unreachable (ConnectionError) or not there
+        reason = str(error).splitlines()[0]
+        raise ConfigError(f"cannot load {name} from the Hugging Face hub ({reason}){fix}") from None
+    check_text_column(args, splits["train"].column_names)
+    return splits
+
+
+def check_text_column(args, columns):
+    """columns: None where a stream does not know them before it is read."""
+    if columns is not None and args.text_column not in columns:
+        raise ConfigError(
+            f"--text_column={args.text_column} is not a column of --data={args.data}; "
+            f"columns: {', '.join(columns)}"
+        )
 
 
 def read_sidecar(path):
@@ -925,22 +942,10 @@ class StreamingBatches(Batches):
 
 def stream_splits(args, name, config, tokenizer, world_size, rank):
     """This rank's share of the tokenised train and validation (None if absent) streams of a hub dataset."""
-    from datasets import load_dataset
     from datasets.distributed import split_dataset_by_node
 
-    try:
-        splits = load_dataset(name, config, streaming=True)
-    except OSError as error:  # unreachable (ConnectionError) or not there
-        raise ConfigError(
-            f"cannot load {name} from the Hugging Face hub ({str(error).splitlines()[0]}); streaming "
-            f"needs it during training: use a local copy as --data=PATH instead"
-        ) from None
-    columns = splits["train"].column_names
-    if columns is not None and args.text_column not in columns:
-        raise ConfigError(
-            f"--text_column={args.text_column} is not a column of --data={args.data}; "
-            f"columns: {', '.join(columns)}"
-        )
+    fix = "; streaming needs it during training: use a local copy as --data=PATH instead"
+    splits = load_hub_dataset(args, name, config, fix, streaming=True)
     tokenize = tokenize_documents(tokenizer, args.text_column)
 
     def share(split):
