@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
@@ -104,6 +105,18 @@ def read_metrics(log_dir):
         record = json.loads(line)
         records[record["step"]] = record
     return [records[step] for step in sorted(records)]
+
+
+def assert_same_model(loaded, expected):
+    """loaded holds exactly expected's weights, and a forward pass through either gives the same logits.
+    The logits are compared to float tolerance: a BLAS kernel may take another path for a tensor that
+    safetensors maps at a different memory alignment."""
+    loaded_state, expected_state = loaded.state_dict(), expected.state_dict()
+    assert loaded_state.keys() == expected_state.keys()
+    assert [name for name in loaded_state if not torch.equal(loaded_state[name], expected_state[name])] == []
+    tokens = torch.randint(0, loaded.config.vocab_size, (2, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).logits, expected(tokens).logits)
 
 
 @pytest.fixture

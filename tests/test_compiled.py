@@ -3,7 +3,7 @@ parameters with fp32 reduction, over gloo with 2 processes."""
 
 import pytest
 import torch
-from conftest import TINY, launch, read_metrics
+from conftest import TINY, assert_same_model, launch, read_metrics
 
 import train as train_script
 
@@ -34,9 +34,7 @@ def test_compiled_bf16_run_with_checkpointing_learns_and_exports_clean_names(
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "compiled" / "final_model")
     trained = type(exported)(exported.config)
     trained.load_state_dict(state)
-    tokens = torch.randint(0, 512, (2, 32))
-    with torch.no_grad():
-        assert torch.equal(exported(tokens).logits, trained(tokens).logits)
+    assert_same_model(exported, trained)
 
 
 def test_compiled_fp32_losses_equal_eager_and_its_checkpoint_resumes_eager(train, tmp_path):
