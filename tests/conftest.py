@@ -3,6 +3,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,14 @@ def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
     command = torchrun_command(script, args, nproc)
     full_env = {**os.environ, "MASTER_PORT": str(free_port()), **(env or {})}
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def together(*calls):
+    """Runs independent launches (zero-argument callables) two at a time and returns their results in order.
+    Much of a launch is one process importing torch on one core, so two launches share this machine's two
+    cores well; more at once would only slow each down."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return [future.result() for future in [pool.submit(call) for call in calls]]
 
 
 def worker_pids(torchrun_pid):
@@ -119,17 +128,19 @@ def assert_same_model(loaded, expected):
         torch.testing.assert_close(loaded(tokens).logits, expected(tokens).logits)
 
 
+def run_training(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
+    """train.py with its logs and checkpoints in tmp_path; by default it must succeed."""
+    result = launch(
+        "train.py",
+        [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *args],
+        nproc=nproc,
+        **kwargs,
+    )
+    if expect_ok:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
 @pytest.fixture
 def train():
-    def run(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
-        result = launch(
-            "train.py",
-            [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *args],
-            nproc=nproc,
-            **kwargs,
-        )
-        if expect_ok:
-            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        return result
-
-    return run
+    return run_training
