@@ -1,53 +1,102 @@
+import contextlib
+import functools
 import math
+import socket
+from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, launch, read_metrics
+from conftest import TINY, read_metrics, run_training, together
+
+# The runs these tests compare share their first steps: warm-up lasts 10 steps, and a step's learning rate
+# before then does not depend on max_steps. So the first steps of the 60-step run are the 3- and 5-step
+# 2-process runs the other runs are compared with, and each comparison checks the learning rates match too.
+SHARED_STEPS = 10
 
 
-def test_two_process_fsdp_run_learns(train, tmp_path):
-    result = train(tmp_path, *TINY, "--max_steps=60")
-    assert "world_size=2" in result.stdout
-    assert "time to first step" in result.stdout
-    losses = [r["loss"] for r in read_metrics(tmp_path)]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 2-process run of TINY, and a plain process (no torchrun) running its first 5 steps by accumulating
+    2 micro-steps, with activation checkpointing on, launched together. The plain run is also the one that
+    must find a free port: it has no MASTER_PORT, and the port train.py once used is taken."""
+    two, one = tmp_path_factory.mktemp("two"), tmp_path_factory.mktemp("one")
+
+    def plain_run():
+        with socket.socket() as taken:
+            with contextlib.suppress(OSError):  # held by another test session: taken all the same
+                taken.bind(("127.0.0.1", 29517))
+                taken.listen()
+            args = [*TINY, "--max_steps=5", "--activation_checkpointing=True"]
+            no_port = {"MASTER_PORT": ""}  # launch() would set one
+            return run_training(one, *args, nproc=0, env=no_port, expect_ok=False)
+
+    two_result, one_result = together(
+        lambda: run_training(two, *TINY, "--max_steps=60", expect_ok=False), plain_run
+    )
+    return SimpleNamespace(two=two_result, two_dir=two, one=one_result, one_dir=one)
+
+
+def succeeded(result):
+    return result.returncode == 0
+
+
+def output(result):
+    return result.stdout[-3000:] + result.stderr[-5000:]
+
+
+def first_steps(log_dir, n):
+    """(losses, learning rates) of the first n steps of the run in log_dir."""
+    assert n <= SHARED_STEPS
+    records = read_metrics(log_dir)[:n]
+    return [r["loss"] for r in records], [r["lr"] for r in records]
+
+
+def test_two_process_fsdp_run_learns(runs):
+    assert succeeded(runs.two), output(runs.two)
+    assert "world_size=2" in runs.two.stdout
+    assert "time to first step" in runs.two.stdout
+    losses = [r["loss"] for r in read_metrics(runs.two_dir)]
     assert len(losses) == 60
     assert losses[0] == pytest.approx(math.log(512), abs=0.3)  # a fresh model guesses uniformly
     assert losses[-1] < 0.5 * losses[0], losses
-    record = read_metrics(tmp_path)[-1]
+    record = read_metrics(runs.two_dir)[-1]
     assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu"} <= set(record)
     assert record["mfu"] is None and record["tokens_per_s"] > 0  # no MFU without a GPU peak
 
 
-def test_one_process_with_accumulation_matches_two_processes(train, tmp_path):
+def test_one_process_with_accumulation_matches_two_processes(runs):
     """The global batch of a step is the same whatever the world size, so are the losses."""
-    two = tmp_path / "two"
-    one = tmp_path / "one"
-    train(two, *TINY, "--max_steps=5")
-    # A plain process (no torchrun), accumulating 2 micro-steps, with activation checkpointing on.
-    train(one, *TINY, "--max_steps=5", "--activation_checkpointing=True", nproc=0)
-    two_losses = [r["loss"] for r in read_metrics(two)]
-    one_losses = [r["loss"] for r in read_metrics(one)]
+    assert succeeded(runs.two) and succeeded(runs.one), output(runs.one)
+    one_losses, one_lrs = first_steps(runs.one_dir, 5)
+    two_losses, two_lrs = first_steps(runs.two_dir, 5)
+    assert len(one_losses) == 5 and one_lrs == two_lrs
     assert one_losses == pytest.approx(two_losses, rel=1e-5, abs=1e-5)
     assert len(set(one_losses)) == 5  # the weights really changed between steps
 
 
+MODES = ["--sharding=grad_op", "--sharding=hybrid", "--activation_checkpointing=op"]
+
+
 @pytest.fixture(scope="module")
-def full_sharding_losses(tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("full")
-    result = launch(
-        "train.py", [f"--log_dir={log_dir}", f"--checkpoint_dir={log_dir}", *TINY, "--max_steps=3"]
+def mode_runs(tmp_path_factory):
+    """3 steps of TINY in each mode, launched together: option -> (result, log dir)."""
+    log_dirs = [tmp_path_factory.mktemp("mode") for _ in MODES]
+    results = together(
+        *[
+            functools.partial(run_training, log_dir, *TINY, "--max_steps=3", option, expect_ok=False)
+            for log_dir, option in zip(log_dirs, MODES)
+        ]
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return [r["loss"] for r in read_metrics(log_dir)]
+    return dict(zip(MODES, zip(results, log_dirs)))
 
 
-@pytest.mark.parametrize(
-    "option", ["--sharding=grad_op", "--sharding=hybrid", "--activation_checkpointing=op"]
-)
-def test_sharding_and_checkpointing_modes_compute_the_same_losses(
-    train, tmp_path, full_sharding_losses, option
-):
-    train(tmp_path, *TINY, "--max_steps=3", option)
-    assert [r["loss"] for r in read_metrics(tmp_path)] == pytest.approx(full_sharding_losses, rel=1e-5)
+@pytest.mark.parametrize("option", MODES)
+def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_runs, option):
+    result, log_dir = mode_runs[option]
+    assert succeeded(runs.two) and succeeded(result), output(result)
+    losses, lrs = first_steps(log_dir, 3)
+    full_losses, full_lrs = first_steps(runs.two_dir, 3)
+    assert len(losses) == 3 and lrs == full_lrs
+    assert losses == pytest.approx(full_losses, rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -129,11 +178,8 @@ def test_config_error_under_torchrun_is_printed_once(train, tmp_path):
     ]
 
 
-def test_plain_run_picks_a_free_port(train, tmp_path):
-    """Without MASTER_PORT a plain `python train.py` finds a free port: the old fixed one may be taken."""
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 29517))
-        taken.listen()
-        train(tmp_path, *TINY, "--max_steps=1", nproc=0, env={"MASTER_PORT": ""})  # launch() would set one
+def test_plain_run_picks_a_free_port(runs):
+    """Without MASTER_PORT a plain `python train.py` finds a free port: the old fixed one may be taken. The
+    one-process run of `runs` is such a run, launched while that port was taken."""
+    assert succeeded(runs.one), output(runs.one)
+    assert "world_size=1" in runs.one.stdout
