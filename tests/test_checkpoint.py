@@ -1,3 +1,4 @@
+import functools
 import json
 import os
 import shutil
@@ -8,9 +9,19 @@ import time
 
 import pytest
 import torch
-from conftest import REPO, TINY, assert_same_model, launch, read_metrics, run_until, torchrun_command
+from conftest import (
+    REPO,
+    TINY,
+    assert_same_model,
+    launch,
+    read_metrics,
+    run_until,
+    together,
+    torchrun_command,
+)
 
-RUN = [*TINY, "--max_steps=30", "--run_name=exact", "--checkpoint_every=10"]
+# Sequences a quarter of TINY's: these runs are about checkpoints, not learning, and their steps cost half.
+RUN = [*TINY, "--seq_length=32", "--max_steps=30", "--run_name=exact", "--checkpoint_every=10"]
 
 
 @pytest.fixture(scope="module")
@@ -40,16 +51,12 @@ def test_sigterm_to_one_rank_checkpoints_and_resume_is_bitwise_exact(uninterrupt
     assert [resumed[s] for s in range(stopped + 1, 31)] == [losses[s] for s in range(stopped + 1, 31)]
 
 
-def test_one_process_resumes_a_two_process_checkpoint(uninterrupted, tmp_path):
-    two, two_losses = uninterrupted
-    result = launch(
-        "train.py",
-        [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN, f"--resume_from={two}/exact/step_20"],
-        nproc=0,
-    )
+def test_one_process_resumes_a_two_process_checkpoint(uninterrupted, resumes):
+    two_losses = uninterrupted[1]
+    tmp, result = resumes["one process"]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "at step 20" in result.stdout
-    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path)}
+    losses = {r["step"]: r["loss"] for r in read_metrics(tmp)}
     assert sorted(losses) == list(range(21, 31))  # DCP resharded the 2-rank checkpoint onto 1 rank
     assert [losses[s] for s in range(21, 31)] == pytest.approx(
         [two_losses[s] for s in range(21, 31)], rel=1e-4
@@ -146,12 +153,16 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path):
     assert not list(tmp_path.glob("*/step_*"))  # nothing bad was checkpointed
 
 
-def test_unwritable_checkpoint_dir_is_refused_before_training(tmp_path):
+def test_unwritable_checkpoint_dir_is_refused_before_training(tmp_path, capsys):
+    """Checked in-process: the error must come before any process group or model exists."""
+    import train as train_script
+
     blocker = tmp_path / "file"
     blocker.write_text("")
-    result = launch("train.py", [f"--checkpoint_dir={blocker}/sub", *TINY], nproc=0)
-    assert result.returncode == 2
-    assert f"--checkpoint_dir={blocker}/sub is not writable" in result.stderr
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([f"--checkpoint_dir={blocker}/sub", *TINY])
+    assert exit_info.value.code == 2
+    assert f"--checkpoint_dir={blocker}/sub is not writable" in capsys.readouterr().err
 
 
 def error_lines(stderr):
@@ -172,52 +183,75 @@ def copy_of_run(uninterrupted, tmp_path):
     return tmp_path / "exact"
 
 
-def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint(uninterrupted, tmp_path):
-    run_dir = copy_of_run(uninterrupted, tmp_path)
+def corrupt_shard(run_dir):
     shard = run_dir / "step_30" / "__1_0.distcp"
     zero_bytes(shard, shard.stat().st_size // 2, 64 << 10)  # 64 KiB inside the weights
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        f"warning: checkpoint {run_dir}/step_30 is unusable: {shard} does not match its checksum "
-        f"(corrupt); falling back to {run_dir}/step_20\n"
-    ) in result.stdout
-    assert f"resumed from {run_dir}/step_20 at step 20" in result.stdout
-    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path)}
-    assert sorted(losses) == list(range(21, 31))
-    assert [losses[s] for s in range(21, 31)] == [uninterrupted[1][s] for s in range(21, 31)]
 
 
 def truncate(path):
     os.truncate(path, path.stat().st_size // 2)
 
 
-@pytest.mark.parametrize(
-    "damage, resume_from, message",
-    [
-        (lambda step: truncate(step / "__0_0.distcp"), False, "__0_0.distcp has {size} bytes instead of"),
-        (
-            lambda step: (step / "trainer_state.json").unlink(),
-            False,
-            "no trainer_state.json (a save cut short)",
-        ),
-        (lambda step: (step / "manifest.json").write_text("{"), False, "unreadable manifest.json"),
-        (lambda step: (step / ".metadata").unlink(), True, "step_30/.metadata is missing"),
-    ],
-)
-def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(
-    uninterrupted, tmp_path, damage, resume_from, message
-):
-    run_dir = copy_of_run(uninterrupted, tmp_path)
-    size = (run_dir / "step_30" / "__0_0.distcp").stat().st_size // 2
-    damage(run_dir / "step_30")
-    resume = [f"--resume_from={run_dir}/step_30"] if resume_from else []
+def remove_manifests(run_dir):
+    for step in (10, 20, 30):
+        (run_dir / f"step_{step}" / "manifest.json").unlink()
+
+
+# What is done to step_30 of a copy, whether the run is told to resume from it, and the words of the warning.
+DAMAGES = [
+    (lambda step: truncate(step / "__0_0.distcp"), False, "__0_0.distcp has {size} bytes instead of"),
+    (lambda step: (step / "trainer_state.json").unlink(), False, "no trainer_state.json (a save cut short)"),
+    (lambda step: (step / "manifest.json").write_text("{"), False, "unreadable manifest.json"),
+    (lambda step: (step / ".metadata").unlink(), True, "step_30/.metadata is missing"),
+]
+
+
+@pytest.fixture(scope="module")
+def resumes(uninterrupted, tmp_path_factory):
+    """The launches below that resume the uninterrupted run's checkpoints, or a damaged copy of them, started
+    two at a time (most are one process, which alone leaves a core idle): name -> (its folder, result)."""
+    two = uninterrupted[0]
+    folders, launches = {}, {}
+
+    def add(name, damage, *args, nproc=0):
+        tmp = folders[name]
+        if damage:
+            damage(copy_of_run(uninterrupted, tmp))
+        args = [f"--log_dir={tmp}", f"--checkpoint_dir={tmp}", *RUN, *args]
+        launches[name] = functools.partial(launch, "train.py", args, nproc=nproc)
+
+    for name in ["one process", "corrupt shard", "no usable checkpoint", *(m for _, _, m in DAMAGES)]:
+        folders[name] = tmp_path_factory.mktemp("resume")
+    add("one process", None, f"--resume_from={two}/exact/step_20")
+    add("corrupt shard", corrupt_shard, nproc=2)
+    add("no usable checkpoint", remove_manifests)
+    for damage, resume_from, message in DAMAGES:
+        resume = [f"--resume_from={folders[message]}/exact/step_30"] if resume_from else []
+        add(message, lambda run_dir, damage=damage: damage(run_dir / "step_30"), "--max_steps=21", *resume)
+    results = together(*launches.values())
+    return {name: (folders[name], result) for name, result in zip(launches, results)}
+
+
+def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint(uninterrupted, resumes):
+    tmp, result = resumes["corrupt shard"]
+    run_dir, shard = tmp / "exact", tmp / "exact" / "step_30" / "__1_0.distcp"
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        f"warning: checkpoint {run_dir}/step_30 is unusable: {shard} does not match its checksum "
+        f"(corrupt); falling back to {run_dir}/step_20\n"
+    ) in result.stdout
+    assert f"resumed from {run_dir}/step_20 at step 20" in result.stdout
+    losses = {r["step"]: r["loss"] for r in read_metrics(tmp)}
+    assert sorted(losses) == list(range(21, 31))
+    assert [losses[s] for s in range(21, 31)] == [uninterrupted[1][s] for s in range(21, 31)]
+
+
+@pytest.mark.parametrize("message", [message for _, _, message in DAMAGES])
+def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupted, resumes, message):
     # One process resuming the 2-process run for one step: enough to see which checkpoint it took.
-    result = launch(
-        "train.py",
-        [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN, "--max_steps=21", *resume],
-        nproc=0,
-    )
+    tmp, result = resumes[message]
+    run_dir = tmp / "exact"
+    size = (uninterrupted[0] / "exact" / "step_30" / "__0_0.distcp").stat().st_size // 2
     assert result.returncode == 0, result.stderr[-3000:]
     warning = next(line for line in result.stdout.splitlines() if line.startswith("warning:"))
     assert warning.startswith(f"warning: checkpoint {run_dir}/step_30 is unusable: ")
@@ -226,17 +260,15 @@ def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(
     assert "Traceback" not in result.stderr
 
 
-def test_no_usable_checkpoint_left_stops_naming_them(uninterrupted, tmp_path):
-    run_dir = copy_of_run(uninterrupted, tmp_path)
-    for step in (10, 20, 30):
-        (run_dir / f"step_{step}" / "manifest.json").unlink()
-    result = launch("train.py", [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *RUN], nproc=0)
+def test_no_usable_checkpoint_left_stops_naming_them(resumes):
+    tmp, result = resumes["no usable checkpoint"]
+    run_dir = tmp / "exact"
     assert result.returncode == 2
     assert len(error_lines(result.stderr)) == 1, result.stderr
     assert result.stdout.count("no manifest.json (a save cut short, or written before checkpoints had") == 3
     steps = ", ".join(f"{run_dir}/step_{step}" for step in (30, 20, 10))
     assert f"error: no usable checkpoint to resume from ({steps})" in result.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()  # stopped before training
+    assert not (tmp / "metrics.jsonl").exists()  # stopped before training
 
 
 def write_lock(run_dir, age_s=0.0, **holder):
@@ -327,14 +359,14 @@ def test_lock_on_another_host_is_refused_until_requeued_or_its_heartbeat_stops(t
     assert "taking over the lock" in silent.stdout
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A tmpfs of a given size in MiB, unmounted afterwards; skipped where mounting is not permitted."""
+@pytest.fixture(scope="module")
+def small_disks(tmp_path_factory):
+    """tmpfs folders of a given size in MiB, unmounted after the module; skipped where mounting is not
+    permitted."""
     mounted = []
 
     def mount(size_mib):
-        folder = tmp_path / "disk"
-        folder.mkdir()
+        folder = tmp_path_factory.mktemp("disk")
         result = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(folder)],
             capture_output=True,
@@ -351,29 +383,34 @@ def small_disk(tmp_path):
 
 
 # A tiny checkpoint takes 22 MB and its export 7 MB: 30 MiB fit one checkpoint, not two.
-@pytest.mark.parametrize(
-    "args, nproc",
-    [
-        (["--ckpt_format=sharded"], 2),
-        (["--ckpt_format=sharded", "--async_checkpoint=True"], 2),
-        (["--ckpt_format=full"], 0),
-    ],
-)
-def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp_path, args, nproc):
-    disk = small_disk(30)
-    result = launch(
-        "train.py",
-        [
-            f"--log_dir={tmp_path}",
-            f"--checkpoint_dir={disk}",
-            *TINY,
-            "--max_steps=4",
-            "--checkpoint_every=2",
-            "--run_name=full_disk",
-            *args,
-        ],
-        nproc=nproc,
-    )
+SAVES = [
+    (["--ckpt_format=sharded"], 2),
+    (["--ckpt_format=sharded", "--async_checkpoint=True"], 2),
+    (["--ckpt_format=full"], 0),
+]
+
+
+@pytest.fixture(scope="module")
+def disk_full_runs(small_disks, tmp_path_factory):
+    """The runs of the two tests below, each writing to its own small disk, launched two at a time:
+    tuple(args) of SAVES, or "export" -> (disk, result)."""
+    runs = {}
+
+    def add(name, size_mib, *args, nproc=2):
+        disk, logs = small_disks(size_mib), tmp_path_factory.mktemp("logs")
+        args = [f"--log_dir={logs}", f"--checkpoint_dir={disk}", *TINY, *args, "--run_name=full_disk"]
+        runs[name] = disk, functools.partial(launch, "train.py", args, nproc=nproc)
+
+    for args, nproc in SAVES:
+        add(tuple(args), 30, "--max_steps=4", "--checkpoint_every=2", *args, nproc=nproc)
+    add("export", 26, "--max_steps=2")
+    results = together(*[call for _, call in runs.values()])
+    return {name: (disk, result) for (name, (disk, _)), result in zip(runs.items(), results)}
+
+
+@pytest.mark.parametrize("args, nproc", SAVES)
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(disk_full_runs, args, nproc):
+    disk, result = disk_full_runs[tuple(args)]
     assert result.returncode != 0
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and 'train.py", line' not in result.stderr, result.stderr
@@ -382,12 +419,8 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(small_disk, tmp_p
     assert sorted(p.name for p in (disk / "full_disk").iterdir() if p.name.startswith("step")) == ["step_2"]
 
 
-def test_disk_full_during_the_export_leaves_no_half_written_model(small_disk, tmp_path):
-    disk = small_disk(26)
-    result = launch(
-        "train.py",
-        [f"--log_dir={tmp_path}", f"--checkpoint_dir={disk}", *TINY, "--max_steps=2", "--run_name=full_disk"],
-    )
+def test_disk_full_during_the_export_leaves_no_half_written_model(disk_full_runs):
+    disk, result = disk_full_runs["export"]
     assert result.returncode != 0
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and 'train.py", line' not in result.stderr, result.stderr
