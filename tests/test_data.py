@@ -1,5 +1,6 @@
 """Real data end to end: a generated corpus, a BPE tokenizer trained on it, real torchrun processes."""
 
+import functools
 import json
 import math
 import random
@@ -7,7 +8,7 @@ import signal
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, launch, read_metrics, run_until
+from conftest import TINY, launch, read_metrics, run_until, together
 
 # The tiny preset on short sequences, so that a corpus of a few thousand lines makes many batches.
 DATA = [*TINY, "--seq_length=32", "--eval_batches=2"]
@@ -47,13 +48,16 @@ def tokenizer_dir(tmp_path_factory):
     return folder
 
 
-@pytest.fixture
-def corpus(tmp_path):
+def write_corpus(folder):
     """A folder with a train and a validation file, as a user would lay it out."""
-    folder = tmp_path / "corpus"
     write_lines(folder / "train.txt", 3000, seed=1)
     write_lines(folder / "validation.txt", 200, seed=2)
     return folder
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return write_corpus(tmp_path / "corpus")
 
 
 def run(tmp_path, tokenizer_dir, *args, nproc=2, expect_ok=True, env=None):
@@ -70,9 +74,50 @@ def run(tmp_path, tokenizer_dir, *args, nproc=2, expect_ok=True, env=None):
     return result
 
 
-def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(tmp_path, tokenizer_dir, corpus):
-    result = run(tmp_path, tokenizer_dir, *DATA, f"--data={corpus}", "--max_steps=40", "--eval_every=10")
-    records = read_metrics(tmp_path / "logs")
+# The 14-step run's first 5 steps are the 5-step 2-process run the one-process run is compared with: warm-up
+# lasts 10 steps, and a step's learning rate before then does not depend on max_steps.
+TEXT = [*DATA, "--eval_every=0", "--run_name=text"]
+
+
+@pytest.fixture(scope="module")
+def text_runs(tmp_path_factory, tokenizer_dir):
+    """The training runs on text that the tests below read, launched two at a time, each with its own data
+    cache: name -> (its folder, result)."""
+    corpus = write_corpus(tmp_path_factory.mktemp("corpus"))
+    stream = write_parquet_stream(tmp_path_factory.mktemp("parquet") / "stream", column="body")
+    runs = {
+        "validated": [*DATA, f"--data={corpus}", "--max_steps=40", "--eval_every=10"],
+        "stream": [*DATA, f"--data=hf:{stream}", "--text_column=body", "--max_steps=20", "--eval_every=10"],
+        "whole": [*TEXT, f"--data={corpus}", "--max_steps=14"],
+        "one process": [*TEXT, f"--data={corpus}", "--max_steps=5"],
+    }
+    folders = {name: tmp_path_factory.mktemp("text") for name in runs}
+    results = together(
+        *[
+            functools.partial(
+                run,
+                folders[name],
+                tokenizer_dir,
+                *args,
+                f"--checkpoint_dir={folders[name]}",
+                nproc=0 if name == "one process" else 2,
+                expect_ok=False,
+            )
+            for name, args in runs.items()
+        ]
+    )
+    return {name: (folders[name], result) for name, result in zip(runs, results)}
+
+
+def succeeded(result):
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(text_runs):
+    folder, result = text_runs["validated"]
+    succeeded(result)
+    records = read_metrics(folder / "logs")
     evaluated = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evaluated] == [10, 20, 30, 40]
     assert "val loss" in result.stdout
@@ -82,27 +127,19 @@ def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(tmp_pat
     assert evaluated[-1]["val_ppl"] == pytest.approx(math.exp(val_losses[-1]), rel=1e-6)
 
 
-def test_stopped_run_on_text_resumes_exactly(tmp_path, tokenizer_dir, corpus):
+def test_stopped_run_on_text_resumes_exactly(tmp_path, tokenizer_dir, text_runs):
     """The data side of an exact resume: the loader continues on the very next batch of the epoch."""
-    args = [
-        *DATA,
-        f"--data={corpus}",
-        "--max_steps=14",
-        "--eval_every=0",
-        "--run_name=text",
-        f"--data_cache={tmp_path / 'cache'}",
-        f"--tokenizer={tokenizer_dir}",
-    ]
-    run(tmp_path / "whole", tokenizer_dir, *args, f"--checkpoint_dir={tmp_path / 'whole'}")
-    whole = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "whole" / "logs")}
-
-    parts = tmp_path / "parts"
-    stop_args = [f"--log_dir={parts / 'logs'}", f"--checkpoint_dir={parts}", *args]
-    code, output = run_until(stop_args, parts, 3, signal.SIGTERM)
+    folder, result = text_runs["whole"]
+    succeeded(result)
+    whole = {r["step"]: r["loss"] for r in read_metrics(folder / "logs")}
+    corpus = write_corpus(tmp_path / "corpus")  # the same text, in a folder of its own
+    args = [*TEXT, f"--data={corpus}", "--max_steps=14", f"--data_cache={tmp_path / 'cache'}"]
+    args += [f"--tokenizer={tokenizer_dir}", f"--checkpoint_dir={tmp_path}"]
+    code, output = run_until([f"--log_dir={tmp_path / 'logs'}", *args], tmp_path, 3, signal.SIGTERM)
     stopped = int(output.split("stopped by signal after step ")[1].split(";")[0])
-    result = run(parts, tokenizer_dir, *args, f"--checkpoint_dir={parts}")
+    result = run(tmp_path, tokenizer_dir, *args)
     assert f"at step {stopped}" in result.stdout
-    resumed = {r["step"]: r["loss"] for r in read_metrics(parts / "logs")}
+    resumed = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "logs")}
     assert [resumed[s] for s in range(stopped + 1, 15)] == [whole[s] for s in range(stopped + 1, 15)]
 
 
@@ -157,19 +194,14 @@ def test_token_file_is_prepared_once_and_rebuilt_when_incomplete(tmp_path, token
     assert len(list((tmp_path / "cache").glob("corpus-*/train.bin"))) == 2
 
 
-def test_one_process_with_accumulation_matches_two_processes_on_text(tmp_path, tokenizer_dir, corpus):
-    args = [
-        *DATA,
-        f"--data={corpus}",
-        "--max_steps=5",
-        "--eval_every=0",
-        f"--data_cache={tmp_path / 'cache'}",
-    ]
-    run(tmp_path / "two", tokenizer_dir, *args)
-    run(tmp_path / "one", tokenizer_dir, *args, nproc=0)
-    two_losses = [r["loss"] for r in read_metrics(tmp_path / "two" / "logs")]
-    one_losses = [r["loss"] for r in read_metrics(tmp_path / "one" / "logs")]
-    assert one_losses == pytest.approx(two_losses, rel=1e-5, abs=1e-5)
+def test_one_process_with_accumulation_matches_two_processes_on_text(text_runs):
+    (two, two_result), (one, one_result) = text_runs["whole"], text_runs["one process"]
+    succeeded(two_result)
+    succeeded(one_result)
+    two_records, one_records = read_metrics(two / "logs")[:5], read_metrics(one / "logs")
+    assert [r["lr"] for r in one_records] == [r["lr"] for r in two_records]  # the same 5 steps
+    one_losses = [r["loss"] for r in one_records]
+    assert one_losses == pytest.approx([r["loss"] for r in two_records], rel=1e-5, abs=1e-5)
     assert len(set(one_losses)) == 5
 
 
@@ -191,19 +223,11 @@ def write_parquet_stream(folder, column):
     return folder
 
 
-def test_streaming_parquet_folder_trains_on_two_processes(tmp_path, tokenizer_dir):
-    stream = write_parquet_stream(tmp_path / "stream", column="body")
-    result = run(
-        tmp_path,
-        tokenizer_dir,
-        *DATA,
-        f"--data=hf:{stream}",
-        "--text_column=body",
-        "--max_steps=20",
-        "--eval_every=10",
-    )
+def test_streaming_parquet_folder_trains_on_two_processes(text_runs):
+    folder, result = text_runs["stream"]
+    succeeded(result)
     assert "world_size=2" in result.stdout
-    records = read_metrics(tmp_path / "logs")
+    records = read_metrics(folder / "logs")
     assert len(records) == 20
     assert records[-1]["loss"] < 0.5 * records[0]["loss"]
     assert [r["step"] for r in records if "val_loss" in r] == [10, 20]
