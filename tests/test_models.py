@@ -1,9 +1,10 @@
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, launch, read_metrics
+from conftest import REPO, read_metrics, run_training, together
 
 import train as train_script
 
@@ -97,22 +98,36 @@ def test_gpt2_flops_leave_out_only_the_position_embedding():
     assert train_script.flops_per_token(model, config, seq_length=2048) == expected
 
 
+MODES = [
+    ["--sharding=ddp", "--activation_checkpointing=full"],
+    ["--cpu_offload=True"],
+    ["--activation_checkpointing=op"],
+]
+
+
 @pytest.fixture(scope="module")
-def fsdp_llama_losses(tmp_path_factory):
-    """One FSDP run of tiny-llama with selective activation checkpointing, the reference of the other
-    modes."""
-    log_dir = tmp_path_factory.mktemp("fsdp")
-    result = launch(
-        "train.py",
-        [
-            f"--log_dir={log_dir}",
-            f"--checkpoint_dir={log_dir}",
-            *TINY_LLAMA,
-            "--activation_checkpointing=selective",
-        ],
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return [r["loss"] for r in read_metrics(log_dir)]
+def llama_runs(tmp_path_factory):
+    """One FSDP run of tiny-llama with selective activation checkpointing, the reference of the other modes,
+    and each mode of MODES run, then resumed for 2 more steps; started two at a time (a mode's resume after
+    its run): "fsdp" or " ".join(mode) -> (log dir, [run, its losses, resumed run] or [run])."""
+    folders = {name: tmp_path_factory.mktemp("llama") for name in ["fsdp", *map(" ".join, MODES)]}
+
+    def fsdp():
+        return [run_training(folders["fsdp"], *TINY_LLAMA, "--activation_checkpointing=selective")]
+
+    def run_and_resume(mode):
+        folder, args = folders[" ".join(mode)], [*TINY_LLAMA, *mode, "--run_name=mode"]
+        run = run_training(folder, *args, expect_ok=False)
+        losses = [r["loss"] for r in read_metrics(folder)] if run.returncode == 0 else None
+        return [run, losses, run_training(folder, *args, "--max_steps=8", expect_ok=False)]
+
+    results = together(fsdp, *[functools.partial(run_and_resume, mode) for mode in MODES])
+    return {name: (folders[name], result) for name, result in zip(folders, results)}
+
+
+@pytest.fixture(scope="module")
+def fsdp_llama_losses(llama_runs):
+    return [r["loss"] for r in read_metrics(llama_runs["fsdp"][0])]
 
 
 def test_tiny_llama_learns_with_fsdp(fsdp_llama_losses):
@@ -121,33 +136,23 @@ def test_tiny_llama_learns_with_fsdp(fsdp_llama_losses):
     assert fsdp_llama_losses[-1] < fsdp_llama_losses[0] - 0.2, fsdp_llama_losses
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [
-        ["--sharding=ddp", "--activation_checkpointing=full"],
-        ["--cpu_offload=True"],
-        ["--activation_checkpointing=op"],
-    ],
-)
-def test_ddp_and_cpu_offload_compute_the_fsdp_losses(train, tmp_path, fsdp_llama_losses, mode):
+@pytest.mark.parametrize("mode", MODES)
+def test_ddp_and_cpu_offload_compute_the_fsdp_losses(llama_runs, fsdp_llama_losses, mode):
     """Same initial weights (drawn whole, whatever the wrapping), same batches: the same losses."""
-    train(tmp_path, *TINY_LLAMA, *mode, "--run_name=mode")
-    assert [r["loss"] for r in read_metrics(tmp_path)] == pytest.approx(fsdp_llama_losses, rel=1e-4)
-    resumed = train(tmp_path, *TINY_LLAMA, *mode, "--run_name=mode", "--max_steps=8")
+    folder, (run, losses, resumed) = llama_runs[" ".join(mode)]
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    assert losses == pytest.approx(fsdp_llama_losses, rel=1e-4)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert "resumed from" in resumed.stdout and "at step 6" in resumed.stdout
-    assert [r["step"] for r in read_metrics(tmp_path)][-2:] == [7, 8]
+    assert [r["step"] for r in read_metrics(folder)][-2:] == [7, 8]
 
 
-def test_tiny_mixtral_learns_with_fsdp_as_in_one_process(train, tmp_path):
+def test_tiny_mixtral_learns_with_fsdp_as_in_one_process(tmp_path):
     """Expert weights are sharded like any other; one process accumulating 2 micro-steps computes the same."""
-    train(tmp_path / "two", *TINY_LLAMA, "--model=tiny-mixtral", "--max_steps=4", "--global_batch_size=8")
-    train(
-        tmp_path / "one",
-        *TINY_LLAMA,
-        "--model=tiny-mixtral",
-        "--max_steps=4",
-        "--global_batch_size=8",
-        nproc=0,
+    args = [*TINY_LLAMA, "--model=tiny-mixtral", "--max_steps=4", "--global_batch_size=8"]
+    together(
+        lambda: run_training(tmp_path / "two", *args),
+        lambda: run_training(tmp_path / "one", *args, nproc=0),
     )
     losses = [r["loss"] for r in read_metrics(tmp_path / "two")]
     assert len(losses) == 4 and all(math.isfinite(loss) for loss in losses)
