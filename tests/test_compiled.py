@@ -1,9 +1,11 @@
 """The path a GPU user runs by default, on CPU: torch.compile per block, activation checkpointing and bf16
 parameters with fp32 reduction, over gloo with 2 processes."""
 
+import functools
+
 import pytest
 import torch
-from conftest import TINY, assert_same_model, launch, read_metrics
+from conftest import TINY, assert_same_model, launch, read_metrics, run_training, together
 
 import train as train_script
 
@@ -11,22 +13,29 @@ COMPILED = [*TINY, "--compile=True"]
 TINY_LLAMA = ["--model=tiny-llama", "--seq_length=64", "--batch_size=4", "--global_batch_size=16"]
 
 
-@pytest.mark.parametrize("model, checkpointing", [([], "full"), (TINY_LLAMA, "selective")])
-def test_compiled_bf16_run_with_checkpointing_learns_and_exports_clean_names(
-    train, tmp_path, model, checkpointing
-):
+BF16_RUNS = [([], "full"), (TINY_LLAMA, "selective")]  # (model, activation checkpointing)
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory):
+    """30 compiled bf16 steps of each of BF16_RUNS, launched together: checkpointing -> (log dir, result)."""
+    folders = {checkpointing: tmp_path_factory.mktemp("bf16") for _, checkpointing in BF16_RUNS}
+
+    def run(model, checkpointing):
+        options = ["--mixed_precision=bf16", f"--activation_checkpointing={checkpointing}", "--max_steps=30"]
+        args = [*COMPILED, *model, *options, "--run_name=compiled", "--ckpt_format=full"]
+        return run_training(folders[checkpointing], *args, expect_ok=False)
+
+    results = together(*[functools.partial(run, *bf16_run) for bf16_run in BF16_RUNS])
+    return dict(zip(folders, zip(folders.values(), results)))
+
+
+@pytest.mark.parametrize("model, checkpointing", BF16_RUNS)
+def test_compiled_bf16_run_with_checkpointing_learns_and_exports_clean_names(bf16_runs, model, checkpointing):
     from transformers import AutoModelForCausalLM
 
-    train(
-        tmp_path,
-        *COMPILED,
-        *model,
-        "--mixed_precision=bf16",
-        f"--activation_checkpointing={checkpointing}",
-        "--max_steps=30",
-        "--run_name=compiled",
-        "--ckpt_format=full",
-    )
+    tmp_path, result = bf16_runs[checkpointing]
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert losses[-1] < losses[0] - 0.6, losses  # fp32 eager: 6.24 -> 5.04 in these 30 steps
     state = torch.load(tmp_path / "compiled" / "step_30" / "state_dict.pt", weights_only=True)["model"]
@@ -39,8 +48,10 @@ def test_compiled_bf16_run_with_checkpointing_learns_and_exports_clean_names(
 
 def test_compiled_fp32_losses_equal_eager_and_its_checkpoint_resumes_eager(train, tmp_path):
     common = [*TINY, "--mixed_precision=fp32", "--activation_checkpointing=op", "--max_steps=4"]
-    train(tmp_path / "compiled", *common, "--compile=True", "--run_name=run")
-    train(tmp_path / "eager", *common, "--compile=False", "--run_name=run")
+    together(
+        lambda: train(tmp_path / "compiled", *common, "--compile=True", "--run_name=run"),
+        lambda: train(tmp_path / "eager", *common, "--compile=False", "--run_name=run"),
+    )
     compiled = [r["loss"] for r in read_metrics(tmp_path / "compiled")]
     eager = [r["loss"] for r in read_metrics(tmp_path / "eager")]
     assert compiled == pytest.approx(eager, rel=1e-4)
