@@ -1,5 +1,6 @@
 """Living with a run: its folder, trackers, curves, relaunches, export and sampling, signals, offline hubs."""
 
+import functools
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ from conftest import (
     launch,
     read_metrics,
     run_until,
+    together,
     torchrun_command,
     worker_pids,
 )
@@ -95,53 +97,59 @@ def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_pa
     assert "max_steps: 8" in (folder / "config.yaml").read_text()
 
 
-@pytest.mark.parametrize("model, ckpt_format", [("tiny", "sharded"), ("tiny-llama", "full")])
-def test_export_from_any_step_and_sample(tmp_path, capsys, model, ckpt_format):
+EXPORTS = [("tiny", "sharded"), ("tiny-llama", "full")]
+
+
+@pytest.fixture(scope="module")
+def export_runs(tmp_path_factory):
+    """A 2-step one-process run for each of EXPORTS, launched together:
+    (model, ckpt_format) -> (its folder, result)."""
+    folders = {export: tmp_path_factory.mktemp("export") for export in EXPORTS}
+
+    def run(model, ckpt_format):
+        tmp = folders[model, ckpt_format]
+        options = [f"--model={model}", "--max_steps=2", "--run_name=run", f"--ckpt_format={ckpt_format}"]
+        args = [f"--log_dir={tmp}", f"--checkpoint_dir={tmp}", *TINY, *options, "--tensorboard=False"]
+        return launch("train.py", args, nproc=0)
+
+    results = together(*[functools.partial(run, *export) for export in EXPORTS])
+    return {export: (folders[export], result) for export, result in zip(EXPORTS, results)}
+
+
+@pytest.mark.parametrize("model, ckpt_format", EXPORTS)
+def test_export_from_any_step_and_sample(export_runs, capsys, model, ckpt_format):
     """--export_from writes what the training's own export writes; sample.py generates from either."""
     from transformers import AutoModelForCausalLM
 
     import sample
 
-    result = launch(
-        "train.py",
-        [
-            f"--log_dir={tmp_path}",
-            f"--checkpoint_dir={tmp_path}",
-            *TINY,
-            f"--model={model}",
-            "--max_steps=2",
-            "--run_name=run",
-            f"--ckpt_format={ckpt_format}",
-            "--tensorboard=False",
-        ],
-        nproc=0,
-    )
+    folder, result = export_runs[model, ckpt_format]
     assert result.returncode == 0, result.stderr[-3000:]
-    assert train_script.main([f"--export_from={tmp_path / 'run' / 'step_2'}"]) == 0
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export_step_2")
-    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final_model")
+    assert train_script.main([f"--export_from={folder / 'run' / 'step_2'}"]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(folder / "run" / "export_step_2")
+    final = AutoModelForCausalLM.from_pretrained(folder / "run" / "final_model")
     assert_same_model(exported, final)
 
     capsys.readouterr()
     for source in ("final_model", "step_2"):  # a checkpoint is exported on the fly
         options = ["--prompt=1 2 3", "--num_samples=2", "--max_new_tokens=5", "--temperature=0"]
-        assert sample.main([f"--init_from={tmp_path / 'run' / source}", *options]) == 0
+        assert sample.main([f"--init_from={folder / 'run' / source}", *options]) == 0
     samples = [line for line in capsys.readouterr().out.splitlines() if line.startswith("1 2 3")]
     assert len(samples) == 4 and len(set(samples)) == 1, samples  # greedy: the same from both
     assert len(samples[0].split()) == 8
 
     # A checkpoint is verified before it is exported: one flipped byte is named, and nothing is written.
-    shard = max((tmp_path / "run" / "step_2").glob("*.distcp" if ckpt_format == "sharded" else "*.pt"),
+    shard = max((folder / "run" / "step_2").glob("*.distcp" if ckpt_format == "sharded" else "*.pt"),
                 key=lambda path: path.stat().st_size)  # fmt: skip
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    shutil.rmtree(tmp_path / "run" / "export_step_2")
+    shutil.rmtree(folder / "run" / "export_step_2")
     with pytest.raises(SystemExit) as exit_info:
-        train_script.main([f"--export_from={tmp_path / 'run' / 'step_2'}"])
+        train_script.main([f"--export_from={folder / 'run' / 'step_2'}"])
     assert exit_info.value.code == 2
     assert f"{shard.name} does not match its checksum (corrupt)" in capsys.readouterr().err
-    assert not (tmp_path / "run" / "export_step_2").exists()
+    assert not (folder / "run" / "export_step_2").exists()
 
 
 def wait_for_catching(pid, number, timeout=120):
