@@ -135,25 +135,6 @@ def test_benchmark_only_two_nodes(cluster, tmp_path):
     }
 
 
-def test_training_across_two_nodes_writes_a_checkpoint(cluster, tmp_path):
-    job_id = submit(
-        "slurm_submit.sh",
-        tmp_path,
-        *TINY,
-        "--max_steps=4",
-        "--checkpoint_every=2",
-        f"--log_dir={tmp_path}/logs",
-        f"--checkpoint_dir={tmp_path}/ckpt",
-        sbatch=["--nodes=2"],
-        SKIP_BENCHMARK="1",
-    )
-    fields, output = wait(job_id, tmp_path)
-    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", output
-    assert f"job {job_id} on n1 n2" in output and "world_size=4" in output, output
-    assert metrics(tmp_path / "logs")[-1]["step"] == 4
-    assert list((tmp_path / "ckpt").glob("*/step_4")), output
-
-
 def training_processes(job_id):
     """The job's training processes on this host (both "nodes"): the children of its torchruns."""
     pgrep = ["pgrep", "-d,", "-f", "--", f"--rdzv_id={job_id} "]
@@ -164,7 +145,13 @@ def training_processes(job_id):
     return [int(pid) for pid in children.split()]
 
 
-def test_time_limit_checkpoints_requeues_and_resumes(cluster, tmp_path):
+MAX_STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def time_limit_job(cluster, tmp_path_factory):
+    """A 2-node training job that reaches its time limit, checkpoints, requeues and finishes:
+    (job id, its fields, its output, its folder)."""
     # slurmctld checks time limits every 30 s and sends --signal at the first check at most 30 s before it
     # is due: due 30 s into this run, it comes 0-30 s in, and training starts ~12-25 s in. So that it
     # lands mid-training on a fast or a slow machine, the test pauses training (SIGSTOP) after step 3 until
@@ -172,12 +159,12 @@ def test_time_limit_checkpoints_requeues_and_resumes(cluster, tmp_path):
     # train.py catches it is held by the launcher until it does: then the stop is after step 1. The
     # launcher signals one of the 4 ranks; train.py tells the others, on both nodes.
     # The 2-minute limit leaves a busy machine time to start, stop and checkpoint.
-    max_steps = 40
+    tmp_path = tmp_path_factory.mktemp("time_limit")
     job_id = submit(
         "slurm_submit.sh",
         tmp_path,
         *TINY,
-        f"--max_steps={max_steps}",
+        f"--max_steps={MAX_STEPS}",
         "--checkpoint_every=1000",
         f"--log_dir={tmp_path}/logs",
         f"--checkpoint_dir={tmp_path}/ckpt",
@@ -202,15 +189,29 @@ def test_time_limit_checkpoints_requeues_and_resumes(cluster, tmp_path):
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=5"], check=True)
 
     fields, output = wait(job_id, tmp_path, on_poll=pause_until_signalled)
+    return job_id, fields, output, tmp_path
+
+
+def test_training_across_two_nodes_writes_a_checkpoint(time_limit_job):
+    """The time-limit job is a training job on two nodes too, one that also had to requeue."""
+    job_id, fields, output, tmp_path = time_limit_job
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", output
+    assert f"job {job_id} on n1 n2" in output and "world_size=4" in output, output
+    assert metrics(tmp_path / "logs")[-1]["step"] == MAX_STEPS
+    assert list((tmp_path / "ckpt").glob(f"*/step_{MAX_STEPS}")), output
+
+
+def test_time_limit_checkpoints_requeues_and_resumes(time_limit_job):
+    job_id, fields, output, tmp_path = time_limit_job
     assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", output
     assert fields["Restarts"] == "1", f"no requeue: did training end before SIGUSR1 came?\n{output}"
     resumed = re.search(r"^resumed from.*\bstep[_ ](\d+)", output, re.M)
     assert re.search(r"^stopped by signal", output, re.M) and resumed, output
     step = int(resumed.group(1))
-    assert 0 < step < max_steps and list((tmp_path / "ckpt").glob(f"*/step_{step}")), output
+    assert 0 < step < MAX_STEPS and list((tmp_path / "ckpt").glob(f"*/step_{step}")), output
     assert "SLURM_RESTART_COUNT=1" in output and f"requeueing job {job_id}" in output, output
     assert "requeued run: skipping the benchmarks" in output, output
-    assert metrics(tmp_path / "logs")[-1]["step"] == max_steps
+    assert metrics(tmp_path / "logs")[-1]["step"] == MAX_STEPS
 
 
 def test_impossible_node_count_is_rejected_at_submission(cluster):
