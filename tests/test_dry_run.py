@@ -1,5 +1,6 @@
 """--dry_run: the real training step on fake tensors over a fake process group, at any world size."""
 
+import functools
 import re
 import subprocess
 import sys
@@ -14,6 +15,7 @@ SMALL = ["--compile=False", "--batch_size=8"]
 GPT2_SHORT = ["--model=gpt2", "--seq_length=256"]  # a real shape, simulated in seconds
 
 
+@functools.cache  # two tests simulate the same configuration, each simulation taking seconds
 def simulated_peak(*args, world_size):
     """Peak bytes per rank by category, from the dry run's own simulation."""
     cfg = train_script.parse_args(["--dry_run", *SMALL, *args, f"--world_size={world_size}"])
