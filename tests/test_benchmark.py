@@ -283,14 +283,24 @@ def sleeper(seconds_at, started):
 
 
 def test_sustained_loop_times_back_to_back_calls_and_sees_a_device_slow_down():
+    """Sleeps overshoot when other jobs share this VM's two cores: the timed bounds get up to three tries."""
     timing = {"warmup_s": 0.1, "seconds": 0.6, "window_s": 0.15, "device": benchmark.torch.device("cpu")}
-    steady = benchmark.sustained(sleeper(lambda t: 0.002, time.perf_counter()), **timing)
-    assert 350 < steady["calls_per_s"] <= 500  # 2 ms a call; sleep only ever overshoots
-    assert steady["seconds"] == pytest.approx(0.6, rel=0.3) and steady["calls"] % 4 == 0  # 4 windows
-    assert 0.85 < steady["throttle_ratio"] < 1.18
-    # a call that gets slower the longer the loop runs, as a GPU does when it throttles
-    slowing = benchmark.sustained(sleeper(lambda t: 0.002 * (1 + 2 * t), time.perf_counter()), **timing)
-    assert slowing["throttle_ratio"] < 0.8
+    tries = []
+    for _ in range(3):
+        steady = benchmark.sustained(sleeper(lambda t: 0.002, time.perf_counter()), **timing)
+        assert steady["calls"] % 4 == 0  # 4 windows
+        # a call that gets slower the longer the loop runs, as a GPU does when it throttles
+        slowing = benchmark.sustained(sleeper(lambda t: 0.002 * (1 + 2 * t), time.perf_counter()), **timing)
+        within = (
+            350 < steady["calls_per_s"] <= 500  # 2 ms a call; sleep only ever overshoots
+            and steady["seconds"] == pytest.approx(0.6, rel=0.3)
+            and 0.85 < steady["throttle_ratio"] < 1.18
+            and slowing["throttle_ratio"] < 0.8
+        )
+        if within:
+            return
+        tries.append((steady, slowing["throttle_ratio"]))
+    pytest.fail(f"steady loop and slowing throttle ratio outside their bounds every time: {tries}")
 
 
 def test_sustained_matmul_on_cpu_tensors_agrees_with_the_median_of_single_calls():
