@@ -75,7 +75,7 @@ def main():
     config = train.build_model_config(shape)
     device = torch.device("cpu")
     model = train.build_model(config, cfg, device, init_device_mesh("cpu", (1,)))
-    optimizer = train.build_optimizer(model, cfg, device)
+    optimizer = train.build_optimizer(model, cfg, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     for param in model.parameters():  # one step so the AdamW moments exist and are saved
         param.grad = torch.randn_like(param)

@@ -4,6 +4,9 @@ and off, bf16 (bf16 compute, fp32 weights and reduction) and fp32.
     python tests/perf/bench_train.py                       # CPU: tiny on 2 processes
     python tests/perf/bench_train.py --model=4b --nproc=8  # one 8-GPU node: the GPU table of
                                                            # docs/PERFORMANCE.md
+    python tests/perf/bench_train.py --model=gpt2-xl --nproc=1 --global_batch_size=8  # one GPU
+
+Options it does not know go to train.py as they are.
 
 Each configuration trains --steps steps of dummy data; the first step (compilation) is left out of every
 figure, as train.py's own log windows leave it out. Prints one row per configuration: median step time,
@@ -65,7 +68,7 @@ def main():
     parser.add_argument(
         "--checkpointing", default="op", help="activation_checkpointing (default: train.py's)"
     )
-    options = parser.parse_args()
+    options, train_options = parser.parse_known_args()
     import torch
 
     on_gpu = torch.cuda.is_available()
@@ -73,7 +76,8 @@ def main():
     shape = [] if on_gpu else CPU_MODEL
     print(
         f"{model} on {options.nproc} {'GPUs' if on_gpu else 'CPU processes'}, "
-        f"activation_checkpointing={options.checkpointing}, {options.steps} steps each (the first left out)"
+        f"activation_checkpointing={options.checkpointing}, {options.steps} steps each (the first left out)",
+        *train_options,
     )
     print(f"{'compile':<8} {'precision':<10} {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'peak GB':>8}")
     for compiled in (True, False):
@@ -86,6 +90,7 @@ def main():
                     f"--compile={compiled}",
                     f"--mixed_precision={precision}",
                     f"--activation_checkpointing={options.checkpointing}",
+                    *train_options,
                 ]
                 records = run(train_args, options.nproc, folder)
             step = statistics.median(r["step_time_s"] for r in records)
