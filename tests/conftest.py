@@ -128,6 +128,11 @@ def assert_same_model(loaded, expected):
         torch.testing.assert_close(loaded(tokens).logits, expected(tokens).logits)
 
 
+def assert_ran(result):
+    """A launch exited 0; if not, the ends of its output say why."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
 def run_training(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
     """train.py with its logs and checkpoints in tmp_path; by default it must succeed."""
     result = launch(
@@ -137,7 +142,7 @@ def run_training(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
         **kwargs,
     )
     if expect_ok:
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        assert_ran(result)
     return result
 
 

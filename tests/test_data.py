@@ -8,7 +8,7 @@ import signal
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, launch, read_metrics, run_until, together
+from conftest import TINY, assert_ran, launch, read_metrics, run_until, together
 
 # The tiny preset on short sequences, so that a corpus of a few thousand lines makes many batches.
 DATA = [*TINY, "--seq_length=32", "--eval_batches=2"]
@@ -70,7 +70,7 @@ def run(tmp_path, tokenizer_dir, *args, nproc=2, expect_ok=True, env=None):
     ]
     result = launch("train.py", args, nproc=nproc, env=env, cwd=tmp_path)
     if expect_ok:
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        assert_ran(result)
     return result
 
 
@@ -109,14 +109,9 @@ def text_runs(tmp_path_factory, tokenizer_dir):
     return {name: (folders[name], result) for name, result in zip(runs, results)}
 
 
-def succeeded(result):
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return result
-
-
 def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(text_runs):
     folder, result = text_runs["validated"]
-    succeeded(result)
+    assert_ran(result)
     records = read_metrics(folder / "logs")
     evaluated = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evaluated] == [10, 20, 30, 40]
@@ -130,7 +125,7 @@ def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(text_ru
 def test_stopped_run_on_text_resumes_exactly(tmp_path, tokenizer_dir, text_runs):
     """The data side of an exact resume: the loader continues on the very next batch of the epoch."""
     folder, result = text_runs["whole"]
-    succeeded(result)
+    assert_ran(result)
     whole = {r["step"]: r["loss"] for r in read_metrics(folder / "logs")}
     corpus = write_corpus(tmp_path / "corpus")  # the same text, in a folder of its own
     args = [*TEXT, f"--data={corpus}", "--max_steps=14", f"--data_cache={tmp_path / 'cache'}"]
@@ -196,8 +191,8 @@ def test_token_file_is_prepared_once_and_rebuilt_when_incomplete(tmp_path, token
 
 def test_one_process_with_accumulation_matches_two_processes_on_text(text_runs):
     (two, two_result), (one, one_result) = text_runs["whole"], text_runs["one process"]
-    succeeded(two_result)
-    succeeded(one_result)
+    assert_ran(two_result)
+    assert_ran(one_result)
     two_records, one_records = read_metrics(two / "logs")[:5], read_metrics(one / "logs")
     assert [r["lr"] for r in one_records] == [r["lr"] for r in two_records]  # the same 5 steps
     one_losses = [r["loss"] for r in one_records]
@@ -225,7 +220,7 @@ def write_parquet_stream(folder, column):
 
 def test_streaming_parquet_folder_trains_on_two_processes(text_runs):
     folder, result = text_runs["stream"]
-    succeeded(result)
+    assert_ran(result)
     assert "world_size=2" in result.stdout
     records = read_metrics(folder / "logs")
     assert len(records) == 20

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, read_metrics, run_training, together
+from conftest import REPO, assert_ran, read_metrics, run_training, together
 
 import train as train_script
 
@@ -140,9 +140,9 @@ def test_tiny_llama_learns_with_fsdp(fsdp_llama_losses):
 def test_ddp_and_cpu_offload_compute_the_fsdp_losses(llama_runs, fsdp_llama_losses, mode):
     """Same initial weights (drawn whole, whatever the wrapping), same batches: the same losses."""
     folder, (run, losses, resumed) = llama_runs[" ".join(mode)]
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    assert_ran(run)
     assert losses == pytest.approx(fsdp_llama_losses, rel=1e-4)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    assert_ran(resumed)
     assert "resumed from" in resumed.stdout and "at step 6" in resumed.stdout
     assert [r["step"] for r in read_metrics(folder)][-2:] == [7, 8]
 

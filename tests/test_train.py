@@ -5,7 +5,7 @@ import socket
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, read_metrics, run_training, together
+from conftest import TINY, assert_ran, read_metrics, run_training, together
 
 # The runs these tests compare share their first steps: warm-up lasts 10 steps, and a step's learning rate
 # before then does not depend on max_steps. So the first steps of the 60-step run are the 3- and 5-step
@@ -35,14 +35,6 @@ def runs(tmp_path_factory):
     return SimpleNamespace(two=two_result, two_dir=two, one=one_result, one_dir=one)
 
 
-def succeeded(result):
-    return result.returncode == 0
-
-
-def output(result):
-    return result.stdout[-3000:] + result.stderr[-5000:]
-
-
 def first_steps(log_dir, n):
     """(losses, learning rates) of the first n steps of the run in log_dir."""
     assert n <= SHARED_STEPS
@@ -51,7 +43,7 @@ def first_steps(log_dir, n):
 
 
 def test_two_process_fsdp_run_learns(runs):
-    assert succeeded(runs.two), output(runs.two)
+    assert_ran(runs.two)
     assert "world_size=2" in runs.two.stdout
     assert "time to first step" in runs.two.stdout
     losses = [r["loss"] for r in read_metrics(runs.two_dir)]
@@ -65,7 +57,8 @@ def test_two_process_fsdp_run_learns(runs):
 
 def test_one_process_with_accumulation_matches_two_processes(runs):
     """The global batch of a step is the same whatever the world size, so are the losses."""
-    assert succeeded(runs.two) and succeeded(runs.one), output(runs.one)
+    assert_ran(runs.two)
+    assert_ran(runs.one)
     one_losses, one_lrs = first_steps(runs.one_dir, 5)
     two_losses, two_lrs = first_steps(runs.two_dir, 5)
     assert len(one_losses) == 5 and one_lrs == two_lrs
@@ -92,7 +85,8 @@ def mode_runs(tmp_path_factory):
 @pytest.mark.parametrize("option", MODES)
 def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_runs, option):
     result, log_dir = mode_runs[option]
-    assert succeeded(runs.two) and succeeded(result), output(result)
+    assert_ran(runs.two)
+    assert_ran(result)
     losses, lrs = first_steps(log_dir, 3)
     full_losses, full_lrs = first_steps(runs.two_dir, 3)
     assert len(losses) == 3 and lrs == full_lrs
@@ -181,5 +175,5 @@ def test_config_error_under_torchrun_is_printed_once(train, tmp_path):
 def test_plain_run_picks_a_free_port(runs):
     """Without MASTER_PORT a plain `python train.py` finds a free port: the old fixed one may be taken. The
     one-process run of `runs` is such a run, launched while that port was taken."""
-    assert succeeded(runs.one), output(runs.one)
+    assert_ran(runs.one)
     assert "world_size=1" in runs.one.stdout
