@@ -927,6 +927,21 @@ def l3_cache_bytes() -> int:
     return sum(caches.values())
 
 
+def memcpy_streaming_threshold_bytes() -> int | None:
+    """glibc's x86_non_temporal_threshold: a memcpy or memmove larger than this writes with non-temporal
+    stores, which skip reading each destination line before writing it; a smaller one reads it first (a
+    third more traffic than a copy counts). From ld.so's tunables (glibc 2.33+); None elsewhere."""
+    for loader in sorted(Path("/").glob("lib*/ld-linux*.so*")):
+        try:
+            listed = subprocess.run([loader, "--list-tunables"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        for line in listed.stdout.splitlines():
+            if line.startswith("glibc.cpu.x86_non_temporal_threshold:"):
+                return int(line.split()[1], 16)
+    return None
+
+
 def available_memory_bytes() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -961,12 +976,18 @@ def memory_section(cfg: dict) -> dict:
     STREAM's 3); on one thread, then on one slice per core from a thread pool (both release the GIL)."""
     n = cfg["memory_MiB"] * MiB // 8
     cores, threads = usable_cores(), torch.get_num_threads()
+    threshold = memcpy_streaming_threshold_bytes()
     result = {
         "array_MiB": cfg["memory_MiB"],
         "arrays": 3,
         "l3_cache_MiB": l3_cache_bytes() / MiB,
         "cores": cores,
     }
+    for label, copied in (("1thread", n * 8), ("all_cores", n * 8 // cores)):
+        kind = "unknown" if threshold is None else "non-temporal" if copied > threshold else "regular"
+        result[f"copy_{label}_stores"] = kind
+    if threshold is not None:
+        result["memcpy_non_temporal_threshold_MiB"] = threshold / MiB
     bounds = np.linspace(0, n, cores + 1).astype(int).tolist()
     slices = [slice(start, stop) for start, stop in zip(bounds[:-1], bounds[1:])]
     torch.set_num_threads(1)  # each slice on one core; torch's own pool would spin-wait between kernels

@@ -28,6 +28,7 @@ import copy
 import difflib
 import faulthandler
 import functools
+import gc
 import glob
 import hashlib
 import itertools
@@ -49,6 +50,12 @@ import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+
+if __name__ == "__main__":
+    # Importing torch and transformers creates millions of objects that live as long as the process; the
+    # collector would scan them again and again as they appear, a second of every start on a small CPU.
+    # It resumes once the model classes are imported (imports_done).
+    gc.disable()
 
 import numpy as np
 import torch
@@ -146,10 +153,11 @@ def main(argv):
             export_checkpoint(args.export_from)
             return 0
         tokenizer = load_tokenizer(args)
-        if args.prepare_only:
-            return prepare_data(args, tokenizer)
         model_config = build_model_config(shape, tokenizer, args.vocab_size)
         meta_model = build_meta_model(model_config)
+        imports_done()
+        if args.prepare_only:
+            return prepare_data(args, tokenizer)
         if args.dry_run:
             return report_dry_run(args, shape, model_config, meta_model)
         check_machine_holds(args, meta_model)
@@ -1099,6 +1107,14 @@ def build_model_config(shape, tokenizer=None, vocab_size=None):
     return model_config
 
 
+def imports_done():
+    """The collector, paused at the top of this file in a process started to train, runs again, leaving
+    alone (frozen) the objects the imports created."""
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
+
+
 def build_meta_model(model_config):
     from transformers import AutoModelForCausalLM
 
@@ -1710,6 +1726,8 @@ def setup_distributed(args, log_folder):
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.compile:
         check_compiler(device)
+    if device.type == "cpu" and args.mixed_precision == "bf16" and rank == 0:
+        warn_if_bf16_is_slow()
     store = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # Workers restarted by torchrun --max-restarts meet in the same agent store as the failed attempt;
@@ -1745,6 +1763,32 @@ def check_compiler(device):
             f"--compile=True cannot compile for {device.type}: it needs {needs} ({first[:200]}); "
             f"install it, or use --compile=False"
         ) from None
+
+
+def cpu_matmul_gflops():
+    """(fp32 GFLOP/s, bf16 GFLOP/s) of a small CPU matmul, best of 3. A CPU without native bf16 (AVX512-BF16,
+    AMX) multiplies bf16 matrices through a scalar fallback: 0.9 against fp32's 93 on an AVX2 EPYC."""
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.ones(64, 256, dtype=dtype), torch.ones(256, 256, dtype=dtype)
+        a @ b
+        seconds = []
+        for _ in range(3):
+            started = time.perf_counter()
+            a @ b
+            seconds.append(time.perf_counter() - started)
+        rates.append(2 * 64 * 256 * 256 / min(seconds) / 1e9)
+    return rates
+
+
+def warn_if_bf16_is_slow():
+    fp32, bf16 = cpu_matmul_gflops()
+    if fp32 > 4 * bf16:
+        print(
+            f"warning: this CPU multiplies bf16 matrices {fp32 / bf16:.0f}x slower than fp32 ({bf16:.1f} "
+            f"against {fp32:.1f} GFLOP/s): on it, --mixed_precision=fp32 trains faster",
+            flush=True,
+        )
 
 
 def device_mesh(args, device_type, world_size, local_world_size):
@@ -2219,7 +2263,7 @@ class Progress:
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.flops_per_token = flops_per_token(model, model_config, args.seq_length)
         self.peak_flops = peak_flops(device)
-        self.rank_times = RankTimes(model, device)
+        self.rank_times = RankTimes(model, device, args.compile)
         names = [None] * self.world_size
         dist.all_gather_object(names, f"{socket.gethostname()}:{os.environ['LOCAL_RANK']}")
         self.stragglers = Stragglers(names)
@@ -2673,21 +2717,22 @@ class RankTimes:
     look slow. On GPU the hooks record CUDA events, read at the log window's end when the step's own
     synchronisation has completed them: no extra sync. Data wait is the host's time in next(batches)."""
 
-    def __init__(self, model, device):
+    def __init__(self, model, device, compiled):
         self.device, self.cuda = device, device.type == "cuda"
         self.compute, self.data, self.started, self.events = 0.0, 0.0, None, []
+        # The hooks run inside a compiled block's call: traced into its graph, they would time the tracing
+        # once. Only imported when compiling: torch.compiler imports dynamo, a second of every start.
+        outside_graph = torch.compiler.disable if compiled else lambda hook: hook
         for layer in decoder_layers(getattr(model, "module", model)):
-            layer.register_forward_pre_hook(self.start)
-            layer.register_forward_hook(self.stop)
+            layer.register_forward_pre_hook(outside_graph(self.start))
+            layer.register_forward_hook(outside_graph(self.stop))
 
-    @torch.compiler.disable
     def start(self, module, args):
         if torch.is_grad_enabled():  # training, not evaluation
             self.started = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
             if self.cuda:
                 self.started.record()
 
-    @torch.compiler.disable
     def stop(self, module, args, output):
         if self.started is None:
             return

@@ -1,8 +1,10 @@
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,6 +27,23 @@ TINY = [
     "--warmup_steps=10",
     "--log_every=1",
 ]
+
+
+def pytest_configure(config):
+    """Once per run of the suite, before pytest-xdist starts its workers, which inherit the environment:
+    inductor compiles into a fresh, empty cache, as on a newcomer's machine, shared by the run's launches;
+    and in the process that compiles (a pool of compile workers, each importing torch, costs a 2-core machine
+    more than it saves)."""
+    config.addinivalue_line("markers", "timing: compares figures measured on this machine; run alone")
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller has set them
+        return
+    config.inductor_cache = tempfile.mkdtemp(prefix="inductor-cache-")
+    os.environ.update(TORCHINDUCTOR_CACHE_DIR=config.inductor_cache, TORCHINDUCTOR_COMPILE_THREADS="1")
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "inductor_cache"):
+        shutil.rmtree(config.inductor_cache, ignore_errors=True)
 
 
 def free_port():

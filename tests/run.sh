@@ -1,6 +1,21 @@
 #!/usr/bin/env bash
-# The test command: sets up .venv if needed, then runs the whole suite (pytest arguments pass through).
+# The test command: sets up .venv if needed, then runs the suite in two phases, each printing its 15 slowest
+# tests: every test but the timing ones, two at a time (pytest-xdist), then the timing tests alone, which
+# compare figures measured on this machine and need it to themselves. pytest arguments pass through.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash setup.sh
-exec .venv/bin/python -m pytest -q "$@" tests
+[ $# -gt 0 ] || set -- tests
+statuses=()
+phase() {
+  local status=0
+  .venv/bin/python -m pytest -q --durations=15 "$@" || status=$?
+  statuses+=("$status")
+}
+phase -n 2 --dist loadgroup -m "not timing" "$@"
+phase -m timing "$@"
+# 5 is pytest's "no test selected": a phase the arguments leave empty
+for status in "${statuses[@]}"; do
+  if [ "$status" -ne 0 ] && [ "$status" -ne 5 ]; then exit "$status"; fi
+done
+[ "${statuses[*]}" != "5 5" ] || exit 5

@@ -32,6 +32,7 @@ def uninterrupted(tmp_path_factory):
     return tmp, {r["step"]: r["loss"] for r in read_metrics(tmp)}
 
 
+@pytest.mark.xdist_group("checkpoint-run")
 def test_sigterm_to_one_rank_checkpoints_and_resume_is_bitwise_exact(uninterrupted, tmp_path):
     losses = uninterrupted[1]
     args = [f"--checkpoint_dir={tmp_path}", *RUN]
@@ -51,6 +52,7 @@ def test_sigterm_to_one_rank_checkpoints_and_resume_is_bitwise_exact(uninterrupt
     assert [resumed[s] for s in range(stopped + 1, 31)] == [losses[s] for s in range(stopped + 1, 31)]
 
 
+@pytest.mark.xdist_group("checkpoint-run")
 def test_one_process_resumes_a_two_process_checkpoint(uninterrupted, resumes):
     two_losses = uninterrupted[1]
     tmp, result = resumes["one process"]
@@ -63,6 +65,7 @@ def test_one_process_resumes_a_two_process_checkpoint(uninterrupted, resumes):
     )
 
 
+@pytest.mark.xdist_group("checkpoint-run")
 def test_killed_rank_is_restarted_by_torchrun_and_resumes(uninterrupted, tmp_path):
     losses = uninterrupted[1]
     args = [f"--checkpoint_dir={tmp_path}", *RUN, "--checkpoint_every=5", "--async_checkpoint=True"]
@@ -232,6 +235,7 @@ def resumes(uninterrupted, tmp_path_factory):
     return {name: (folders[name], result) for name, result in zip(launches, results)}
 
 
+@pytest.mark.xdist_group("checkpoint-run")
 def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint(uninterrupted, resumes):
     tmp, result = resumes["corrupt shard"]
     run_dir, shard = tmp / "exact", tmp / "exact" / "step_30" / "__1_0.distcp"
@@ -246,6 +250,7 @@ def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint
     assert [losses[s] for s in range(21, 31)] == [uninterrupted[1][s] for s in range(21, 31)]
 
 
+@pytest.mark.xdist_group("checkpoint-run")
 @pytest.mark.parametrize("message", [message for _, _, message in DAMAGES])
 def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupted, resumes, message):
     # One process resuming the 2-process run for one step: enough to see which checkpoint it took.
@@ -260,6 +265,7 @@ def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupted
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.xdist_group("checkpoint-run")
 def test_no_usable_checkpoint_left_stops_naming_them(resumes):
     tmp, result = resumes["no usable checkpoint"]
     run_dir = tmp / "exact"
@@ -408,6 +414,7 @@ def disk_full_runs(small_disks, tmp_path_factory):
     return {name: (disk, result) for (name, (disk, _)), result in zip(runs.items(), results)}
 
 
+@pytest.mark.xdist_group("disk-full")
 @pytest.mark.parametrize("args, nproc", SAVES)
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(disk_full_runs, args, nproc):
     disk, result = disk_full_runs[tuple(args)]
@@ -419,6 +426,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(disk_full_runs, a
     assert sorted(p.name for p in (disk / "full_disk").iterdir() if p.name.startswith("step")) == ["step_2"]
 
 
+@pytest.mark.xdist_group("disk-full")
 def test_disk_full_during_the_export_leaves_no_half_written_model(disk_full_runs):
     disk, result = disk_full_runs["export"]
     assert result.returncode != 0
