@@ -31,7 +31,7 @@ TINY = [
 
 def pytest_configure(config):
     """Once per run of the suite, before pytest-xdist starts its workers, which inherit the environment:
-    inductor compiles into a fresh, empty cache, as on a newcomer's machine, shared by the run's launches;
+    inductor compiles into a fresh, empty cache, as on a newcomer's machine, shared by the run's launches,
     and in the process that compiles (a pool of compile workers, each importing torch, costs a 2-core machine
     more than it saves)."""
     config.addinivalue_line("markers", "timing: compares figures measured on this machine; run alone")
@@ -39,6 +39,9 @@ def pytest_configure(config):
         return
     config.inductor_cache = tempfile.mkdtemp(prefix="inductor-cache-")
     os.environ.update(TORCHINDUCTOR_CACHE_DIR=config.inductor_cache, TORCHINDUCTOR_COMPILE_THREADS="1")
+    # One thread per process, as torchrun gives each of several workers: the suite runs several processes on
+    # two cores, and OpenMP threads with no core to run on spin while they wait.
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def pytest_unconfigure(config):
@@ -75,10 +78,10 @@ def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
 
 
 def together(*calls):
-    """Runs independent launches (zero-argument callables) two at a time and returns their results in order.
-    Much of a launch is one process importing torch on one core, so two launches share this machine's two
-    cores well; more at once would only slow each down."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    """Runs independent launches (zero-argument callables) and returns their results in order: two at a time,
+    or one at a time in a pytest-xdist worker, whose sibling keeps the second core busy. Much of a launch is one
+    process importing torch on one core; more launches than cores at once only slow each other down."""
+    with ThreadPoolExecutor(max_workers=1 if os.environ.get("PYTEST_XDIST_WORKER") else 2) as pool:
         return [future.result() for future in [pool.submit(call) for call in calls]]
 
 

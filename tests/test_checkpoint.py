@@ -110,6 +110,7 @@ def test_full_format_and_export_load_without_this_repo(tmp_path):
             "--run_name=full",
             "--ckpt_format=full",
         ],
+        nproc=0,  # the file holds the whole state: any world size loads it
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "at step 6" in resumed.stdout
@@ -186,8 +187,8 @@ def copy_of_run(uninterrupted, tmp_path):
     return tmp_path / "exact"
 
 
-def corrupt_shard(run_dir):
-    shard = run_dir / "step_30" / "__1_0.distcp"
+def corrupt_shard(step):
+    shard = step / "__1_0.distcp"
     zero_bytes(shard, shard.stat().st_size // 2, 64 << 10)  # 64 KiB inside the weights
 
 
@@ -200,50 +201,62 @@ def remove_manifests(run_dir):
         (run_dir / f"step_{step}" / "manifest.json").unlink()
 
 
-# What is done to step_30 of a copy, whether the run is told to resume from it, and the words of the warning.
+# The damaged checkpoints of one copy of the run, newest first: told to resume from step_30, the run meets
+# each in turn, says why it cannot use it, falls back to the next, and resumes from the intact step_20.
+# Below step_30 the damaged ones are copies of step_20. (step, what is done to it, the words of the warning)
 DAMAGES = [
-    (lambda step: truncate(step / "__0_0.distcp"), False, "__0_0.distcp has {size} bytes instead of"),
-    (lambda step: (step / "trainer_state.json").unlink(), False, "no trainer_state.json (a save cut short)"),
-    (lambda step: (step / "manifest.json").write_text("{"), False, "unreadable manifest.json"),
-    (lambda step: (step / ".metadata").unlink(), True, "step_30/.metadata is missing"),
+    (30, lambda step: (step / ".metadata").unlink(), "step_30/.metadata is missing"),
+    (29, lambda step: truncate(step / "__0_0.distcp"), "__0_0.distcp has {size} bytes instead of"),
+    (28, lambda step: (step / "trainer_state.json").unlink(), "no trainer_state.json (a save cut short)"),
+    (27, lambda step: (step / "manifest.json").write_text("{"), "unreadable manifest.json"),
+    (26, corrupt_shard, "__1_0.distcp does not match its checksum (corrupt)"),
 ]
+
+
+def damage_checkpoints(run_dir):
+    for step, damage, _ in DAMAGES:
+        if step != 30:
+            shutil.copytree(run_dir / "step_20", run_dir / f"step_{step}")
+        damage(run_dir / f"step_{step}")
 
 
 @pytest.fixture(scope="module")
 def resumes(uninterrupted, tmp_path_factory):
-    """The launches below that resume the uninterrupted run's checkpoints, or a damaged copy of them, started
-    two at a time (most are one process, which alone leaves a core idle): name -> (its folder, result)."""
+    """The launches that resume the uninterrupted run's checkpoints, or a damaged copy of them, started two
+    at a time: name -> (its folder, result)."""
     two = uninterrupted[0]
     folders, launches = {}, {}
 
     def add(name, damage, *args, nproc=0):
-        tmp = folders[name]
+        """args may name the launch's own folder as {tmp}."""
+        tmp = folders[name] = tmp_path_factory.mktemp("resume")
         if damage:
             damage(copy_of_run(uninterrupted, tmp))
-        args = [f"--log_dir={tmp}", f"--checkpoint_dir={tmp}", *RUN, *args]
+        args = [f"--log_dir={tmp}", f"--checkpoint_dir={tmp}", *RUN, *(arg.format(tmp=tmp) for arg in args)]
         launches[name] = functools.partial(launch, "train.py", args, nproc=nproc)
 
-    for name in ["one process", "corrupt shard", "no usable checkpoint", *(m for _, _, m in DAMAGES)]:
-        folders[name] = tmp_path_factory.mktemp("resume")
+    add("damaged", damage_checkpoints, "--resume_from={tmp}/exact/step_30", nproc=2)
     add("one process", None, f"--resume_from={two}/exact/step_20")
-    add("corrupt shard", corrupt_shard, nproc=2)
     add("no usable checkpoint", remove_manifests)
-    for damage, resume_from, message in DAMAGES:
-        resume = [f"--resume_from={folders[message]}/exact/step_30"] if resume_from else []
-        add(message, lambda run_dir, damage=damage: damage(run_dir / "step_30"), "--max_steps=21", *resume)
     results = together(*launches.values())
     return {name: (folders[name], result) for name, result in zip(launches, results)}
 
 
+def warnings_of(output):
+    """The run's warnings about unusable checkpoints: the checkpoint's folder -> the whole line."""
+    lines = [line for line in output.splitlines() if line.startswith("warning: checkpoint ")]
+    return {line.split()[2]: line for line in lines}
+
+
 @pytest.mark.xdist_group("checkpoint-run")
 def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint(uninterrupted, resumes):
-    tmp, result = resumes["corrupt shard"]
-    run_dir, shard = tmp / "exact", tmp / "exact" / "step_30" / "__1_0.distcp"
+    tmp, result = resumes["damaged"]
+    run_dir, shard = tmp / "exact", tmp / "exact" / "step_26" / "__1_0.distcp"
     assert result.returncode == 0, result.stderr[-3000:]
-    assert (
-        f"warning: checkpoint {run_dir}/step_30 is unusable: {shard} does not match its checksum "
-        f"(corrupt); falling back to {run_dir}/step_20\n"
-    ) in result.stdout
+    assert warnings_of(result.stdout)[f"{run_dir}/step_26"] == (
+        f"warning: checkpoint {run_dir}/step_26 is unusable: {shard} does not match its checksum "
+        f"(corrupt); falling back to {run_dir}/step_20"
+    )
     assert f"resumed from {run_dir}/step_20 at step 20" in result.stdout
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp)}
     assert sorted(losses) == list(range(21, 31))
@@ -251,16 +264,16 @@ def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint
 
 
 @pytest.mark.xdist_group("checkpoint-run")
-@pytest.mark.parametrize("message", [message for _, _, message in DAMAGES])
-def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupted, resumes, message):
-    # One process resuming the 2-process run for one step: enough to see which checkpoint it took.
-    tmp, result = resumes[message]
+@pytest.mark.parametrize("step, message", [(step, message) for step, _, message in DAMAGES[:-1]])
+def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupted, resumes, step, message):
+    tmp, result = resumes["damaged"]
     run_dir = tmp / "exact"
-    size = (uninterrupted[0] / "exact" / "step_30" / "__0_0.distcp").stat().st_size // 2
+    size = (uninterrupted[0] / "exact" / "step_20" / "__0_0.distcp").stat().st_size // 2
     assert result.returncode == 0, result.stderr[-3000:]
-    warning = next(line for line in result.stdout.splitlines() if line.startswith("warning:"))
-    assert warning.startswith(f"warning: checkpoint {run_dir}/step_30 is unusable: ")
-    assert message.format(size=size) in warning and warning.endswith(f"falling back to {run_dir}/step_20")
+    warning = warnings_of(result.stdout)[f"{run_dir}/step_{step}"]
+    assert warning.startswith(f"warning: checkpoint {run_dir}/step_{step} is unusable: ")
+    assert message.format(size=size) in warning
+    assert warning.endswith(f"falling back to {run_dir}/step_{step - 1}")
     assert f"resumed from {run_dir}/step_20 at step 20" in result.stdout
     assert "Traceback" not in result.stderr
 

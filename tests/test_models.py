@@ -108,8 +108,9 @@ MODES = [
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory):
     """One FSDP run of tiny-llama with selective activation checkpointing, the reference of the other modes,
-    and each mode of MODES run, then resumed for 2 more steps; started two at a time (a mode's resume after
-    its run): "fsdp" or " ".join(mode) -> (log dir, [run, its losses, resumed run] or [run])."""
+    and each mode of MODES run on 2 processes, then resumed on one for 2 more steps; started two at a time (a
+    mode's resume after its run): "fsdp" or " ".join(mode) -> (log dir, [run, its losses, resumed run] or
+    [run])."""
     folders = {name: tmp_path_factory.mktemp("llama") for name in ["fsdp", *map(" ".join, MODES)]}
 
     def fsdp():
@@ -119,7 +120,7 @@ def llama_runs(tmp_path_factory):
         folder, args = folders[" ".join(mode)], [*TINY_LLAMA, *mode, "--run_name=mode"]
         run = run_training(folder, *args, expect_ok=False)
         losses = [r["loss"] for r in read_metrics(folder)] if run.returncode == 0 else None
-        return [run, losses, run_training(folder, *args, "--max_steps=8", expect_ok=False)]
+        return [run, losses, run_training(folder, *args, "--max_steps=8", nproc=0, expect_ok=False)]
 
     results = together(fsdp, *[functools.partial(run_and_resume, mode) for mode in MODES])
     return {name: (folders[name], result) for name, result in zip(folders, results)}
