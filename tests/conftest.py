@@ -78,9 +78,9 @@ def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
 
 
 def together(*calls):
-    """Runs independent launches (zero-argument callables) and returns their results in order: two at a time,
-    or one at a time in a pytest-xdist worker, whose sibling keeps the second core busy. Much of a launch is one
-    process importing torch on one core; more launches than cores at once only slow each other down."""
+    """Runs independent launches (zero-argument callables) and returns their results in order: two at a
+    time, or one at a time in a pytest-xdist worker, whose sibling keeps the second core busy. Much of a
+    launch is one process importing torch on one core; more launches than cores only slow each other."""
     with ThreadPoolExecutor(max_workers=1 if os.environ.get("PYTEST_XDIST_WORKER") else 2) as pool:
         return [future.result() for future in [pool.submit(call) for call in calls]]
 

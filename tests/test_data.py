@@ -313,7 +313,8 @@ def test_model_vocabulary_follows_the_tokenizer(tokenizer_dir, corpus, capsys):
 
     size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
     small = ["--n_layer=1", "--seq_length=64", "--batch_size=1", "--world_size=1", "--global_batch_size=1"]
-    train_script.main(["--dry_run", "--model=gpt2", *small, f"--data={corpus}", f"--tokenizer={tokenizer_dir}"])
+    data = [f"--data={corpus}", f"--tokenizer={tokenizer_dir}"]
+    train_script.main(["--dry_run", "--model=gpt2", *small, *data])
     assert f"vocab={(size + 63) // 64 * 64}\n" in capsys.readouterr().out  # gpt2's preset has 50257
 
 
