@@ -1348,7 +1348,28 @@ def section_list(option: str, text: str, parser) -> set:
     return names
 
 
-def parse_args(argv=None):
+# Options that size the measurements: (type, help). Unset, they take the mode's value from MODES.
+SIZE_OPTIONS = {
+    "--storage_MiB": (positive_int, "MiB written per node (default 1024, --quick 64)"),
+    "--storage_workers": (positive_int, "parallel writers/readers (default 8, --quick 4)"),
+    "--memory_MiB": (positive_int, "each STREAM array (default 256, --quick 64; >= 4x L3)"),
+    "--matmul_size": (
+        positive_int,
+        "square matmul tried besides the MAMF shapes (default 8192, --quick 4096)",
+    ),
+    "--nccl_max_MiB": (positive_int, "largest collective (default 1024 GPU / 16 CPU, --quick 256 / 1)"),
+    "--gpu_seconds": (
+        positive_number,
+        "timed loop of each GPU figure after 1 s of warm-up (default 3, --quick 1)",
+    ),
+    "--nic_gbps": (
+        positive_number,
+        "one NIC's line rate in Gb/s, for the inter-node floor (default: read from /sys/class/infiniband)",
+    ),
+}
+
+
+def argument_parser():
     parser = OneLineErrors(
         description=__doc__.split("\n\n")[0],
         epilog=f"Sections: {', '.join(SECTIONS)}. Figures explained in docs/BENCHMARK_FEATURES.md.",
@@ -1362,36 +1383,8 @@ def parse_args(argv=None):
     )
     parser.add_argument("--storage_path", default="checkpoints", help="folder to test (default: checkpoints)")
     parser.add_argument("--report_dir", default="logs", help="where the YAML reports go (default: logs)")
-    parser.add_argument(
-        "--storage_MiB", type=positive_int, help="MiB written per node (default 1024, --quick 64)"
-    )
-    parser.add_argument(
-        "--storage_workers", type=positive_int, help="parallel writers/readers (default 8, --quick 4)"
-    )
-    parser.add_argument(
-        "--memory_MiB", type=positive_int, help="each STREAM array (default 256, --quick 64; >= 4x L3)"
-    )
-    parser.add_argument(
-        "--matmul_size",
-        type=positive_int,
-        help="square matmul tried besides the MAMF shapes (default 8192, --quick 4096)",
-    )
-    parser.add_argument(
-        "--nccl_max_MiB",
-        type=positive_int,
-        help="largest collective (default 1024 GPU / 16 CPU, --quick 256 / 1)",
-    )
-    parser.add_argument(
-        "--gpu_seconds",
-        type=positive_number,
-        help="timed loop of each GPU figure after 1 s of warm-up (default 3, --quick 1)",
-    )
-    parser.add_argument(
-        "--nic_gbps",
-        type=positive_number,
-        help="one NIC's line rate in Gb/s, for the inter-node floor (default: read "
-        "from /sys/class/infiniband)",
-    )
+    for flag, (kind, text) in SIZE_OPTIONS.items():
+        parser.add_argument(flag, type=kind, help=text)
     parser.add_argument(
         "--min_storage_GBps",
         type=positive_number,
@@ -1403,6 +1396,11 @@ def parse_args(argv=None):
         action="store_true",
         help="warnings (CPU and host-memory stragglers, slow ranks) fail the verdict too",
     )
+    return parser
+
+
+def parse_args(argv=None):
+    parser = argument_parser()
     args = parser.parse_args(argv)
     sections = section_list("--only", args.only, parser) - section_list("--skip", args.skip, parser)
     if not sections:

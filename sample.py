@@ -15,6 +15,8 @@ import types
 import torch
 
 import train
+from run.export import export_checkpoint
+from run.options import ConfigError, convert, fail
 
 # --help prints these options verbatim from this file; fmt: off keeps their comments aligned
 # fmt: off
@@ -35,22 +37,22 @@ def parse_args(argv):
     for arg in argv:
         name, has_value, text = arg.removeprefix("--").partition("=")
         if not arg.startswith("--") or name not in cfg:
-            raise train.ConfigError(
+            raise ConfigError(
                 f"unexpected argument {arg!r}: options are --name=value, one of --{', --'.join(cfg)}"
             )
-        cfg[name] = train.convert(name, text if has_value else "true", hints[name], "--")
+        cfg[name] = convert(name, text if has_value else "true", hints[name], "--")
     cfg = types.SimpleNamespace(**cfg)
     if not cfg.init_from:
-        raise train.ConfigError("--init_from is required: an exported folder or a step_N checkpoint folder")
+        raise ConfigError("--init_from is required: an exported folder or a step_N checkpoint folder")
     exported = os.path.isfile(os.path.join(cfg.init_from, "config.json"))
     checkpoint = os.path.isfile(os.path.join(cfg.init_from, "trainer_state.json"))
     if not exported and not checkpoint:
-        raise train.ConfigError(
+        raise ConfigError(
             f"--init_from={cfg.init_from} is neither an exported model (config.json) "
             f"nor a step_N checkpoint (trainer_state.json)"
         )
     if cfg.num_samples <= 0 or cfg.max_new_tokens <= 0 or cfg.temperature < 0 or cfg.top_k <= 0:
-        raise train.ConfigError(
+        raise ConfigError(
             "--num_samples, --max_new_tokens and --top_k must be positive, --temperature not negative"
         )
     return cfg
@@ -68,12 +70,12 @@ def generate(cfg, folder):
         try:
             ids = torch.tensor([[int(token) for token in cfg.prompt.split()]])
         except ValueError:
-            raise train.ConfigError(
+            raise ConfigError(
                 f"{folder} has no tokenizer (dummy data): give --prompt as token ids "
                 f"separated by spaces, e.g. --prompt='1 2 3'"
             ) from None
         if ids.numel() == 0 or ids.max() >= model.config.vocab_size:
-            raise train.ConfigError(f"--prompt needs token ids between 0 and {model.config.vocab_size - 1}")
+            raise ConfigError(f"--prompt needs token ids between 0 and {model.config.vocab_size - 1}")
     torch.manual_seed(cfg.seed)
     sampling = (
         dict(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k)
@@ -105,9 +107,10 @@ def main(argv):
             generate(cfg, cfg.init_from)
         else:
             with tempfile.TemporaryDirectory() as scratch:
-                generate(cfg, train.export_checkpoint(os.path.normpath(cfg.init_from), f"{scratch}/model"))
-    except train.ConfigError as error:
-        train.fail(error)
+                checkpoint = os.path.normpath(cfg.init_from)
+                generate(cfg, export_checkpoint(checkpoint, train.rebuild_model, f"{scratch}/model"))
+    except ConfigError as error:
+        fail(error)
     return 0
 
 

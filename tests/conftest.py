@@ -13,7 +13,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
-sys.path.insert(0, str(REPO))  # tests import train.py and benchmark.py
+sys.path.insert(0, str(REPO))  # tests import train.py, its modules in run/, and benchmark.py
+import train as train_script  # noqa: E402
+from run import options  # noqa: E402
+
 # A small, fast CPU configuration of the tiny preset that learns within a few dozen steps.
 TINY = [
     "--model=tiny",
@@ -47,6 +50,16 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if hasattr(config, "inductor_cache"):
         shutil.rmtree(config.inductor_cache, ignore_errors=True)
+
+
+def parse_options(argv):
+    """train.py's options from argv, as main() parses them."""
+    return options.parse_args(argv, train_script.constants())
+
+
+def validated(args):
+    """args checked and completed as main() does; returns the model's shape."""
+    return options.validate(args, train_script.resolve_shape, train_script.parse_source)
 
 
 def free_port():

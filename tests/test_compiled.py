@@ -5,9 +5,21 @@ import functools
 
 import pytest
 import torch
-from conftest import TINY, assert_ran, assert_same_model, launch, read_metrics, run_training, together
+from conftest import (
+    TINY,
+    assert_ran,
+    assert_same_model,
+    launch,
+    parse_options,
+    read_metrics,
+    run_training,
+    together,
+    validated,
+)
 
 import train as train_script
+from run import guard, simulation
+from run import launch as run_launch
 
 COMPILED = [*TINY, "--compile=True"]
 # Sized for a CPU without native bf16, where a bf16 matmul runs about 100x slower than fp32 (0.9 against 93
@@ -48,7 +60,7 @@ def test_compiled_bf16_run_with_checkpointing_learns_and_exports_clean_names(
     assert_ran(result)
     losses = [r["loss"] for r in read_metrics(tmp_path)]
     assert len(losses) == steps and losses[-1] < losses[0] - drop, losses
-    fp32, bf16 = train_script.cpu_matmul_gflops()
+    fp32, bf16 = run_launch.cpu_matmul_gflops()
     print(f"this CPU's matmul: {bf16:.1f} GFLOP/s in bf16, {fp32:.1f} in fp32")
     said = result.stdout.count("warning: this CPU multiplies bf16 matrices")
     assert said == (fp32 > 4 * bf16), result.stdout[-3000:]  # once, and only where bf16 is slow
@@ -96,18 +108,18 @@ def test_compiled_block_has_no_graph_break_and_compiles_once(preset, monkeypatch
 
     monkeypatch.chdir(tmp_path)  # validate creates the log and checkpoint folders
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    cfg = train_script.parse_args(
+    cfg = parse_options(
         [f"--model={preset}", "--n_layer=10", "--mixed_precision=bf16", "--seq_length=32", "--batch_size=2"]
     )
-    config = train_script.build_model_config(train_script.validate(cfg))
+    config = train_script.build_model_config(validated(cfg))
     torch._dynamo.reset()
     counters.clear()
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        mesh = train_script.device_mesh(cfg, "cpu", 1, 1)
+        mesh = run_launch.device_mesh(cfg, "cpu", 1, 1)
         model = train_script.build_model(config, cfg, torch.device("cpu"), mesh)
         train_script.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
-        train_script.RankTimes(model, torch.device("cpu"), compiled=True)
+        guard.RankTimes(train_script.decoder_layers(model), torch.device("cpu"), compiled=True)
         optimizer = train_script.build_optimizer(model, cfg, fused=False)
         tokens = torch.randint(0, config.vocab_size, (2, 33))
         batches = itertools.repeat((tokens[:, :-1], tokens[:, 1:]))
@@ -146,7 +158,7 @@ def test_flops_per_token_agrees_with_the_flop_counter(preset):
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import AutoModelForCausalLM
 
-    cfg = train_script.parse_args([f"--model={preset}"])
+    cfg = parse_options([f"--model={preset}"])
     config = train_script.build_model_config(train_script.resolve_shape(cfg))
     config._attn_implementation = config._experts_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config)
@@ -163,7 +175,7 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(preset):
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM
 
-    cfg = train_script.parse_args([f"--model={preset}"])
+    cfg = parse_options([f"--model={preset}"])
     config = train_script.build_model_config(train_script.resolve_shape(cfg))
     model = AutoModelForCausalLM.from_config(config)
     tokens = torch.randint(0, config.vocab_size, (3, 50))
@@ -186,7 +198,7 @@ def test_hardware_flops_count_the_recomputation(mode, preset):
     """The dry run's hardware FLOPs: a checkpointed step with the chunked loss, counted (eager attention)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    cfg = train_script.parse_args(
+    cfg = parse_options(
         [
             f"--model={preset}",
             "--n_layer=4",
@@ -197,7 +209,7 @@ def test_hardware_flops_count_the_recomputation(mode, preset):
             "--seq_length=128",
         ]
     )
-    shape = train_script.validate(cfg)
+    shape = validated(cfg)
     config = train_script.build_model_config(shape)
     config._attn_implementation = "eager"
     model = train_script.build_model(config, cfg, torch.device("cpu"), mesh=None)
@@ -207,5 +219,6 @@ def test_hardware_flops_count_the_recomputation(mode, preset):
         train_script.model_loss(model, tokens, tokens).backward()
     model_flops = train_script.flops_per_token(model, config, 128)
     plain = train_script.build_meta_model(config)
-    expected = train_script.hardware_flops_per_token(cfg, plain, config, model_flops) * tokens.numel()
+    layer = train_script.decoder_layers(plain)[0]
+    expected = simulation.hardware_flops_per_token(cfg, layer, config, model_flops) * tokens.numel()
     assert counter.get_total_flops() == pytest.approx(expected, rel=0.03)

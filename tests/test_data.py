@@ -374,9 +374,10 @@ def test_streaming_loader_resumes_on_exactly_the_next_batch(tmp_path, tokenizer_
     from transformers import AutoTokenizer
 
     import train as train_script
+    from run import prepare
 
     stream = write_parquet_stream(tmp_path / "stream", column="text")
-    tokenize = train_script.tokenize_documents(AutoTokenizer.from_pretrained(tokenizer_dir), "text")
+    tokenize = prepare.tokenize_documents(AutoTokenizer.from_pretrained(tokenizer_dir), "text")
     cfg = SimpleNamespace(batch_size=2, seq_length=16)
 
     def loader():

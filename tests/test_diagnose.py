@@ -20,21 +20,22 @@ import torch.distributed as dist
 from conftest import REPO, TINY, read_metrics, torchrun_command, worker_pids
 
 import train as train_script
+from run import guard
 
 HOST = socket.gethostname()
 
 
 def test_ranks_above_the_median_are_named_with_their_figure():
     names = ["a:0", "a:1", "b:0", "b:1"]
-    medians, named = train_script.find_stragglers(names, [(1.0, 0.01), (1.05, 0.01), (1.3, 0.01), (0.9, 0.4)])
+    medians, named = guard.find_stragglers(names, [(1.0, 0.01), (1.05, 0.01), (1.3, 0.01), (0.9, 0.4)])
     assert medians == pytest.approx({"compute_s": 1.025, "data_wait_s": 0.01})
     assert named == {"b:0": {"compute_s": 1.3}, "b:1": {"data_wait_s": 0.4}}  # a:1 is 2% above: not named
     # Data waits of microseconds, one of them twice the median: noise, not a straggler.
-    assert train_script.find_stragglers(names, [(1.0, 1e-5), (1.0, 1e-5), (1.0, 3e-5), (1.0, 1e-5)])[1] == {}
+    assert guard.find_stragglers(names, [(1.0, 1e-5), (1.0, 1e-5), (1.0, 3e-5), (1.0, 1e-5)])[1] == {}
 
 
 def test_a_rank_named_three_windows_in_a_row_is_warned_once(capsys):
-    stragglers = train_script.Stragglers(["n1:0", "n2:0"])
+    stragglers = guard.Stragglers(["n1:0", "n2:0"])
     slow, even = [[10.0, 0.1], [20.0, 0.1]], [[10.0, 0.1], [10.0, 0.1]]
     for timings in (slow, slow, even, slow, slow):  # an even window breaks the streak
         record = stragglers.log_window(timings, steps=10)
@@ -49,7 +50,7 @@ def test_a_rank_named_three_windows_in_a_row_is_warned_once(capsys):
 
 def test_flight_recorder_is_on_and_users_settings_win(tmp_path):
     environ = {}
-    train_script.flight_recorder_env(environ, str(tmp_path))
+    guard.flight_recorder_env(environ, str(tmp_path))
     assert environ == {
         "TORCH_FR_BUFFER_SIZE": "20000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
@@ -62,7 +63,7 @@ def test_flight_recorder_is_on_and_users_settings_win(tmp_path):
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_",
     }
     environ = dict(users)
-    train_script.flight_recorder_env(environ, str(tmp_path))
+    guard.flight_recorder_env(environ, str(tmp_path))
     assert environ == users
 
 
@@ -75,7 +76,7 @@ def test_process_group_timeouts_drop_after_the_first_step():
             store=dist.FileStore(store_file.name, 1),
             rank=0,
             world_size=1,
-            timeout=train_script.PG_TIMEOUT_FIRST_STEP,
+            timeout=guard.PG_TIMEOUT_FIRST_STEP,
         )
         try:
             # hybrid's two groups
@@ -85,18 +86,14 @@ def test_process_group_timeouts_drop_after_the_first_step():
             def timeout(group):
                 return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
 
-            train_script.set_pg_timeouts(train_script.PG_TIMEOUT, mesh)
-            assert [timeout(g) for g in groups] == [train_script.PG_TIMEOUT] * 3
-            with train_script.generous_pg_timeouts(mesh):  # a checkpoint being written
-                assert [timeout(g) for g in groups] == [train_script.PG_TIMEOUT_FIRST_STEP] * 3
-            assert [timeout(g) for g in groups] == [train_script.PG_TIMEOUT] * 3
+            guard.set_pg_timeouts(guard.PG_TIMEOUT, mesh)
+            assert [timeout(g) for g in groups] == [guard.PG_TIMEOUT] * 3
+            with guard.generous_pg_timeouts(mesh):  # a checkpoint being written
+                assert [timeout(g) for g in groups] == [guard.PG_TIMEOUT_FIRST_STEP] * 3
+            assert [timeout(g) for g in groups] == [guard.PG_TIMEOUT] * 3
         finally:
             dist.destroy_process_group()
-    assert (
-        train_script.PG_TIMEOUT_FIRST_STEP
-        > train_script.PG_TIMEOUT
-        > timedelta(seconds=train_script.hang_minimum_s)
-    )
+    assert guard.PG_TIMEOUT_FIRST_STEP > guard.PG_TIMEOUT > timedelta(seconds=train_script.hang_minimum_s)
 
 
 @pytest.mark.parametrize("value", ["5", "8,5", "a,b", "0,3"])

@@ -7,10 +7,11 @@ import sys
 import time
 
 import pytest
-from conftest import REPO
+from conftest import REPO, parse_options, validated
 from torch.torch_version import TorchVersion
 
 import train as train_script
+from run import simulation
 
 SMALL = ["--compile=False", "--batch_size=8"]
 # gpt2's width, heads and vocabulary with 4 of its layers: what the tests compare holds at any depth, and a
@@ -21,9 +22,10 @@ GPT2_SHORT = ["--model=gpt2", "--n_layer=4", "--seq_length=256"]
 @functools.cache  # two tests simulate the same configuration, each simulation taking seconds
 def simulated_peak(*args, world_size):
     """Peak bytes per rank by category, from the dry run's own simulation."""
-    cfg = train_script.parse_args(["--dry_run", *SMALL, *args, f"--world_size={world_size}"])
-    shape = train_script.validate(cfg)
-    return train_script.simulate_peak_memory(cfg, train_script.build_model_config(shape), world_size)
+    cfg = parse_options(["--dry_run", *SMALL, *args, f"--world_size={world_size}"])
+    shape = validated(cfg)
+    config = train_script.build_model_config(shape)
+    return simulation.simulate_peak_memory(cfg, config, world_size, train_script.training_path())
 
 
 def dry_run(capsys, *args):
@@ -47,7 +49,7 @@ def test_dry_run_prints_the_simulated_peak_and_a_verdict(capsys, model, world_si
     peak = re.search(r"^peak memory per GPU \(simulated\): ([\d.]+) GB of 80 GB \(H100\)$", out, re.M)
     assert peak and 0 <= float(peak.group(1)) < 80, out
     assert "verdict: fits" in out
-    for category in train_script.MEMORY_CATEGORIES:
+    for category in simulation.MEMORY_CATEGORIES:
         assert re.search(rf"^  {category} +[\d.]+ GB$", out, re.M), category
     assert sum(float(gb) for gb in re.findall(r"^  [a-z ]+ +([\d.]+) GB$", out, re.M)) > 0
     flops = re.search(
@@ -62,7 +64,7 @@ def test_accumulation_keeps_only_a_sharded_gradient_between_micro_steps():
     world_size = 2
     one = simulated_peak(*GPT2_SHORT, "--global_batch_size=16", world_size=world_size)
     four = simulated_peak(*GPT2_SHORT, "--global_batch_size=64", world_size=world_size)
-    shape = train_script.resolve_shape(train_script.parse_args(["--model=gpt2"]))
+    shape = train_script.resolve_shape(parse_options(["--model=gpt2"]))
     model = train_script.build_meta_model(train_script.build_model_config(shape))
     n_params = sum(p.numel() for p in model.parameters())
     sharded_gradient = 4 * n_params / world_size
@@ -133,7 +135,7 @@ def test_a_torch_whose_tracker_overstates_the_peak_is_refused_in_one_line(capsys
 
 
 def test_default_model_is_about_4b():
-    shape = train_script.resolve_shape(train_script.parse_args([]))
+    shape = train_script.resolve_shape(parse_options([]))
     model = train_script.build_meta_model(train_script.build_model_config(shape))
     count = sum(p.numel() for p in model.parameters())
     assert 3.8e9 <= count <= 4.3e9

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, assert_ran, read_metrics, run_training, together
+from conftest import REPO, assert_ran, parse_options, read_metrics, run_training, together, validated
 
 import train as train_script
 
@@ -47,7 +47,7 @@ TINY_LLAMA = [
 
 
 def meta_model(*args):
-    cfg = train_script.parse_args(list(args))
+    cfg = parse_options(list(args))
     config = train_script.build_model_config(train_script.resolve_shape(cfg))
     return train_script.build_meta_model(config), config
 
@@ -210,7 +210,7 @@ def test_config_file_sets_constants_and_flags_override_it(tmp_path, capsys):
     path = write_config(
         tmp_path, "model: tiny-llama\nbatch_size: 2\nlr: 1e-4\ncompile: false\nn_layer: null\n"
     )
-    cfg = train_script.parse_args([f"--config={path}", "--batch_size=4"])
+    cfg = parse_options([f"--config={path}", "--batch_size=4"])
     assert (cfg.model, cfg.batch_size, cfg.lr, cfg.compile) == ("tiny-llama", 4, 1e-4, False)
     code = train_script.main(["--dry_run", f"--config={path}", "--global_batch_size=8", "--world_size=1"])
     assert code == 0
@@ -270,8 +270,8 @@ def test_example_configs_pass_the_checks(name, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no hub here: skip the request that would find out
     monkeypatch.chdir(tmp_path)  # the checks create the data cache, log and checkpoint folders
-    cfg = train_script.parse_args([f"--config={REPO / 'configs' / name}"])
-    assert train_script.validate(cfg).n_positions >= cfg.seq_length
+    cfg = parse_options([f"--config={REPO / 'configs' / name}"])
+    assert validated(cfg).n_positions >= cfg.seq_length
 
 
 @pytest.mark.parametrize(
@@ -281,7 +281,7 @@ def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped)
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    cfg = train_script.parse_args(
+    cfg = parse_options(
         [
             "--model=tiny-llama",
             "--n_layer=4",
@@ -291,7 +291,7 @@ def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped)
             "--ac_every=2",
         ]
     )
-    shape = train_script.validate(cfg)
+    shape = validated(cfg)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         model = train_script.build_model(
@@ -309,7 +309,7 @@ def test_op_level_checkpointing_gives_the_plain_loss_and_gradients(preset):
     tokens, targets = torch.randint(0, 512, (2, 64)), torch.randint(0, 512, (2, 64))
     results = {}
     for mode in ("none", "op"):
-        cfg = train_script.parse_args(
+        cfg = parse_options(
             [
                 f"--model={preset}",
                 "--compile=False",
@@ -318,7 +318,7 @@ def test_op_level_checkpointing_gives_the_plain_loss_and_gradients(preset):
                 f"--activation_checkpointing={mode}",
             ]
         )
-        shape = train_script.validate(cfg)
+        shape = validated(cfg)
         config = train_script.build_model_config(shape)
         model = train_script.build_model(config, cfg, torch.device("cpu"), mesh=None)
         train_script.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)

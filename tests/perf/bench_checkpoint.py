@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train  # noqa: E402
+from run import checkpoints, options  # noqa: E402
 
 
 def disk_write_gbps(folder, n_bytes, chunk=64 << 20):
@@ -45,10 +46,8 @@ def timed(function, *args):
 def save_without_checksums(model, optimizer, folder):
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(
-        dict(zip(("model", "optimizer"), train.model_and_optimizer_state(model, optimizer, full=False))),
-        checkpoint_id=folder,
-    )
+    state = checkpoints.model_and_optimizer_state(model, optimizer, full=False)
+    dcp.save(dict(zip(("model", "optimizer"), state)), checkpoint_id=folder)
 
 
 def main():
@@ -61,7 +60,7 @@ def main():
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = train.parse_args(
+    cfg = options.parse_args(
         [
             f"--model={args.model}",
             "--compile=False",
@@ -69,9 +68,10 @@ def main():
             f"--checkpoint_dir={args.dir}",
             "--run_name=bench",
             "--keep_last=0",
-        ]
+        ],
+        train.constants(),
     )
-    shape = train.validate(cfg)
+    shape = options.validate(cfg, train.resolve_shape, train.parse_source)
     config = train.build_model_config(shape)
     device = torch.device("cpu")
     model = train.build_model(config, cfg, device, init_device_mesh("cpu", (1,)))
@@ -86,7 +86,7 @@ def main():
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     disk = disk_write_gbps(args.dir, n_bytes)
-    checkpointer = train.Checkpointer(cfg, shape, 0, 1)
+    checkpointer = checkpoints.Checkpointer(cfg, shape, 0, 1)
     step_1 = os.path.join(args.dir, "bench", "step_1")
     plain = os.path.join(args.dir, "plain")
     sync, bare, hashing, verify, load = [], [], [], [], []
@@ -104,7 +104,7 @@ def main():
     hash_seconds = min(hashing)
 
     cfg.async_checkpoint = True
-    async_checkpointer = train.Checkpointer(cfg, shape, 0, 1)
+    async_checkpointer = checkpoints.Checkpointer(cfg, shape, 0, 1)
     blocked_seconds = timed(
         async_checkpointer.save, {"step": 2, "tokens_seen": 0}, model, optimizer, scheduler, batches
     )

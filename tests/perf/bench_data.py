@@ -23,6 +23,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
+from run import prepare as token_files  # noqa: E402
 
 H200_4B_TOKENS_PER_S = 20_000  # a 4B model at 50% MFU on one H200
 GOAL = 50  # the loader must deliver at least this multiple of it
@@ -128,7 +129,7 @@ def main():
         parquet.mkdir()
         lines = (corpus / "train.txt").read_text().splitlines()
         pq.write_table(pa.table({"text": lines}), parquet / "train.parquet")
-        tokenize = train.tokenize_documents(AutoTokenizer.from_pretrained(tokenizer_dir), "text")
+        tokenize = token_files.tokenize_documents(AutoTokenizer.from_pretrained(tokenizer_dir), "text")
         documents = load_dataset(str(parquet), split="train", streaming=True).map(tokenize, batched=True)
         stream = train.StreamingBatches(
             documents, cfg, accumulation=4, device=torch.device("cpu"), prefetch=True

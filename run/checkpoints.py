@@ -1,0 +1,359 @@
+"""Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/, written under a temporary name and renamed once every
+rank has finished, so a folder named step_<N> is always complete. Its manifest.json holds a CRC-32 checksum
+of every other file, checked before any tensor is loaded; an unusable checkpoint is named and skipped for the
+one before it."""
+
+import json
+import os
+import re
+import shutil
+import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from run.options import fail
+
+MANIFEST = "manifest.json"
+
+HASH_CHUNK = 64 << 20
+
+
+def checkpoint_steps(run_dir):
+    """Steps of the step_N folders of a run, oldest first (step_N.tmp folders are not complete)."""
+    return sorted(int(m.group(1)) for name in os.listdir(run_dir) if (m := re.fullmatch(r"step_(\d+)", name)))
+
+
+def newest_checkpoint(run_dir):
+    steps = checkpoint_steps(run_dir)
+    return os.path.join(run_dir, f"step_{steps[-1]}") if steps else None
+
+
+def model_and_optimizer_state(model, optimizer, full):
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+
+
+def hash_threads():
+    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
+def file_checksum(path):
+    """Size and CRC-32 of the CRC-32s of the file's 64 MiB chunks, hashed on parallel threads (zlib releases
+    the GIL). CRC-32 finds accidental corruption, which is what a checkpoint meets, at twice SHA-256's speed
+    (2.0 against 1.0 GB/s a core here), so checksums cost a save a quarter of its time, not half."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as file, ThreadPoolExecutor(hash_threads()) as pool:
+
+        def digest(offset):
+            return zlib.crc32(os.pread(file.fileno(), HASH_CHUNK, offset)).to_bytes(4, "big")
+
+        digests = pool.map(digest, range(0, size, HASH_CHUNK))
+        return {"size": size, "crc32": f"{zlib.crc32(b''.join(digests)):08x}"}
+
+
+def own_files(folder, rank):
+    """The files of a checkpoint this rank wrote: its DCP shards and RNG file; rank 0 also the shared ones."""
+    per_rank = re.compile(r"__(\d+)_\d+\.distcp|rank(\d+)\.pt")
+
+    def own(name):
+        match = per_rank.fullmatch(name)
+        return str(rank) in match.groups() if match else rank == 0
+
+    return sorted(name for name in os.listdir(folder) if name != MANIFEST and own(name))
+
+
+def save_error(error):
+    """One line for a failed write. DCP's CheckpointException holds each rank's error with its traceback."""
+    failures = getattr(error, "failures", None)
+    if failures:
+        error = next(iter(failures.values()))[0]
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def space_left(path):
+    try:
+        return f"{shutil.disk_usage(path).free / 2**20:.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+def save_errors():
+    """What a failed write raises: OSError, RuntimeError from torch.save, CheckpointException (a
+    BaseException) from DCP, SafetensorError from the export."""
+    from safetensors import SafetensorError
+
+    return OSError, RuntimeError, dcp.CheckpointException, SafetensorError
+
+
+class Checkpointer:
+    """Saves and restores everything an exact resume needs: model, optimizer, schedule, step, tokens
+    seen, data position, RNG states and the config. Tensors go through torch.distributed.checkpoint;
+    the rest is JSON and a small per-rank file of RNG states and data position, read with
+    weights_only=True, so nothing is unpickled on load."""
+
+    def __init__(self, args, shape, rank, world_size):
+        self.args, self.shape, self.rank, self.world_size = args, shape, rank, world_size
+        self.run_dir = os.path.join(args.checkpoint_dir, args.run_name)
+        self.pending = None  # (future of (error, checksums), temporary folder, final folder) of an async save
+        # Background saves talk over their own group so they never interleave with training collectives.
+        self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
+        self.hasher = ThreadPoolExecutor(1) if args.async_checkpoint else None
+        self.stager = None
+        if args.async_checkpoint and torch.cuda.is_available():
+            from torch.distributed.checkpoint.staging import BlockingAsyncStager
+
+            # One pinned host copy of this rank's state, reused by every save (as torchtitan stages): the
+            # device-to-host copy runs at full PCIe/C2C speed, and no save allocates host memory again.
+            self.stager = BlockingAsyncStager(cache_staged_state_dict=True)
+
+    def gather(self, value):
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
+    def checksums(self, temporary):
+        """(None, this rank's files' checksums), or (the error, None)."""
+        try:
+            names = own_files(temporary, self.rank)
+            return None, {name: file_checksum(os.path.join(temporary, name)) for name in names}
+        except OSError as error:
+            return save_error(error), None
+
+    def written(self, future, temporary):
+        """The outcome of a background save, then the checksums of its files: runs on the hasher thread."""
+        try:
+            future.result()
+        except save_errors() as error:
+            return save_error(error), None
+        return self.checksums(temporary)
+
+    def save(self, trainer_state, model, optimizer, scheduler, batches):
+        """trainer_state: the step, tokens seen and time so far; the options and the shape are added."""
+        self.finish()
+        step = trainer_state["step"]
+        final = os.path.join(self.run_dir, f"step_{step}")
+        temporary = final + ".tmp"
+        error = None
+        if self.rank == 0:
+            try:
+                shutil.rmtree(temporary, ignore_errors=True)  # left by a save that was killed
+                os.makedirs(temporary)
+            except OSError as failure:
+                error = save_error(failure)
+        if problem := next(filter(None, self.gather(error)), None):
+            self.abandon(temporary, problem)
+        full = self.args.ckpt_format == "full"
+        model_state, optimizer_state = model_and_optimizer_state(model, optimizer, full)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        try:
+            if full:
+                if self.rank == 0:
+                    torch.save(state, os.path.join(temporary, "state_dict.pt"))
+            elif self.args.async_checkpoint:
+                future = dcp.async_save(
+                    state, checkpoint_id=temporary, process_group=self.group, async_stager=self.stager
+                )
+                self.pending = (self.hasher.submit(self.written, future, temporary), temporary, final)
+            else:
+                dcp.save(state, checkpoint_id=temporary)
+            # The data position is per rank for streams; RNG states are per rank always.
+            position, rank_file = batches.state_dict(), os.path.join(temporary, f"rank{self.rank}.pt")
+            torch.save({"rng": rng_states(), "data": position}, rank_file)
+            if self.rank == 0:
+                shape = {name: getattr(self.shape, name) for name in self.shape.names}
+                trainer_state = dict(trainer_state, config=vars(self.args), shape=shape, data=position)
+                trainer_state.update(scheduler=scheduler.state_dict(), world_size=self.world_size)
+                with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
+                    json.dump(trainer_state, f, indent=1)
+        except save_errors() as failure:
+            error = save_error(failure)
+        if self.pending is None:
+            self.publish(temporary, final, (error, None) if error else self.checksums(temporary))
+        elif problem := next(filter(None, self.gather(error)), None):
+            self.abandon(temporary, problem)
+
+    def finish(self):
+        """Waits for a background save and its checksums, then publishes it."""
+        if self.pending is not None:
+            outcome, temporary, final = self.pending
+            self.pending = None
+            self.publish(temporary, final, outcome.result())
+
+    def publish(self, temporary, final, outcome):
+        """outcome: this rank's (error, checksums). Rank 0 writes the manifest of every rank's files, then
+        renames the folder: a step_N folder with a manifest is complete."""
+        outcomes = self.gather(outcome)
+        problem = next((error for error, _ in outcomes if error), None)
+        if problem is None and self.rank == 0:
+            try:
+                files = {name: checksum for _, checksums in outcomes for name, checksum in checksums.items()}
+                with open(os.path.join(temporary, MANIFEST), "w") as f:
+                    json.dump({"files": files}, f, indent=1)
+                shutil.rmtree(final, ignore_errors=True)
+                os.rename(temporary, final)
+            except OSError as error:
+                problem = save_error(error)
+            else:
+                kept = self.args.keep_last
+                for old in checkpoint_steps(self.run_dir)[:-kept] if kept else []:
+                    shutil.rmtree(os.path.join(self.run_dir, f"step_{old}"), ignore_errors=True)
+                print(f"checkpoint saved: {final}", flush=True)
+        verdict = [problem]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            self.abandon(temporary, verdict[0])
+
+    def abandon(self, temporary, problem):
+        """Every rank comes here together: removes the folder of the failed save and exits, rank 0 naming
+        the cause and the checkpoint that is kept."""
+        if self.pending is not None:
+            self.pending[0].result()  # the background writer must be done before its folder goes
+            self.pending = None
+        if self.rank != 0:
+            sys.exit(2)
+        shutil.rmtree(temporary, ignore_errors=True)
+        previous = newest_checkpoint(self.run_dir)
+        kept = (
+            f"the previous checkpoint {previous} is untouched"
+            if previous
+            else "there is no earlier checkpoint"
+        )
+        fail(
+            f"writing checkpoint {temporary} failed ({problem}; {space_left(self.run_dir)}); {kept}. "
+            f"Free space or fix permissions, then relaunch"
+        )
+
+    def problem(self, path):
+        """The first problem any rank finds in its share of the checkpoint's files, or None."""
+        return next(filter(None, self.gather(checkpoint_problem(path, self.rank, self.world_size))), None)
+
+    def choose(self, resume_from):
+        """The checkpoint to resume from: resume_from, else the newest of the run; one that is incomplete
+        or corrupt is skipped for the one before it. None for a fresh run; exit 2 if none is usable."""
+        run_dir = os.path.dirname(os.path.normpath(resume_from)) or "." if resume_from else self.run_dir
+        steps = reversed(checkpoint_steps(run_dir))
+        candidates = [os.path.normpath(os.path.join(run_dir, f"step_{step}")) for step in steps]
+        if resume_from:
+            newest = os.path.normpath(resume_from)
+            older = candidates[candidates.index(newest) + 1 :] if newest in candidates else []
+            candidates = [newest] + older
+        for index, path in enumerate(candidates):
+            problem = self.problem(path)
+            if problem is None:
+                return path
+            if self.rank == 0:
+                following = "no earlier checkpoint is left"
+                if index + 1 < len(candidates):
+                    following = f"falling back to {candidates[index + 1]}"
+                print(f"warning: checkpoint {path} is unusable: {problem}; {following}", flush=True)
+        if candidates:
+            message = (
+                f"no usable checkpoint to resume from ({', '.join(candidates)}); delete them to start "
+                f"over, or set another --run_name"
+            )
+            fail(message) if self.rank == 0 else sys.exit(2)
+        return None
+
+    def load(self, path, model, optimizer, scheduler, batches):
+        """Restores a checkpoint written by save(); returns its trainer state."""
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            trainer_state = json.load(f)
+        recorded = trainer_state["shape"]
+        changed = {k: (v, getattr(self.shape, k)) for k, v in recorded.items() if getattr(self.shape, k) != v}
+        if changed:
+            details = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
+            fail(
+                f"checkpoint {path} has another model shape ({details}); use another --run_name or "
+                f"--checkpoint_dir"
+            )
+        full_file = os.path.join(path, "state_dict.pt")
+        full = os.path.exists(full_file)
+        if full:  # memory-mapped: the ranks of a node share one copy in the page cache
+            state = torch.load(full_file, weights_only=True, mmap=True)
+        else:
+            model_state, optimizer_state = model_and_optimizer_state(model, optimizer, full=False)
+            state = {"model": model_state}
+            if not self.args.skip_optimizer:
+                state["optimizer"] = optimizer_state
+            dcp.load(state, checkpoint_id=path)
+        options = StateDictOptions(full_state_dict=full)
+        if self.args.skip_optimizer:  # fresh optimizer; this run's schedule, at the resumed step
+            set_model_state_dict(model, state["model"], options=options)
+            scheduler.last_epoch = trainer_state["step"] - 1
+            scheduler.step()
+        else:
+            set_state_dict(
+                model,
+                optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=options,
+            )
+            scheduler.load_state_dict(trainer_state["scheduler"])
+        rank_file = os.path.join(path, f"rank{self.rank}.pt")
+        if trainer_state["world_size"] == self.world_size:
+            rank_state = torch.load(rank_file, weights_only=True)
+            restore_rng_states(rank_state["rng"])
+            batches.load_state_dict(rank_state["data"])
+        elif batches.position_per_rank:
+            writers = trainer_state["world_size"]
+            fail(
+                f"checkpoint {path} of a streamed run was written by {writers} processes: "
+                f"a stream's position cannot be split anew, so resume it with {writers}"
+            )
+        else:  # window positions do not depend on the world size
+            batches.load_state_dict(trainer_state["data"])
+        return trainer_state
+
+
+def checkpoint_problem(path, rank=0, world_size=1):
+    """None if path is a complete checkpoint whose files all match their checksums, else the first problem
+    found; of several ranks, each checks its share of the files."""
+    problem, files = None, {}
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            files = json.load(f)["files"]
+        if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+            problem = "no trainer_state.json (a save cut short)"
+    except FileNotFoundError:
+        problem = f"no {MANIFEST} (a save cut short, or written before checkpoints had checksums)"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        problem = f"unreadable {MANIFEST} ({save_error(error)})"
+    for name in sorted(files)[rank::world_size] if problem is None else []:
+        file = os.path.join(path, name)
+        try:
+            checksum = file_checksum(file)
+        except FileNotFoundError:
+            problem = f"{file} is missing"
+        except OSError as error:
+            problem = f"{file} is unreadable ({error.strerror})"
+        else:
+            if checksum["size"] != files[name]["size"]:
+                problem = f"{file} has {checksum['size']} bytes instead of {files[name]['size']} (truncated?)"
+            elif checksum != files[name]:
+                problem = f"{file} does not match its checksum (corrupt)"
+        if problem:
+            break
+    return problem
+
+
+def rng_states():
+    states = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng_states(states):
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])

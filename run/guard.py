@@ -1,0 +1,339 @@
+"""When a run misbehaves: stop signals, process-group timeouts and NCCL's flight recorder, a watchdog per
+rank, stragglers, and a profiler on demand. Every file goes to the run's log folder, <log_dir>/<run_name>."""
+
+import collections
+import contextlib
+import faulthandler
+import os
+import signal
+import socket
+import statistics
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from run.options import profiled_steps
+
+STOPPED_BY_SIGNAL = 75  # exit status after a signal-triggered checkpoint: the launcher requeues
+HUNG = 3  # exit status of a rank its watchdog ended
+# Process-group timeouts, as torchtitan's set_pg_timeouts: generous until the first step is done (compiling,
+# loading weights) and while a checkpoint is written; short after, so a hung collective ends in minutes, not
+# half an hour. Longer than hang_minimum_s, so the watchdog names the hang first.
+PG_TIMEOUT_FIRST_STEP = timedelta(minutes=30)
+PG_TIMEOUT = timedelta(minutes=10)
+FR_BUFFER_SIZE = 20000  # NCCL flight recorder: the last collectives kept per rank (torchtitan's)
+STRAGGLER_MARGIN = 0.10  # a rank this far above the median compute or data-wait time is named
+STRAGGLER_LOG_WINDOWS = 3  # named in this many log windows in a row: a warning to exclude its node
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Signals this soon after the first are the same stop: torchrun forwards to its workers the SIGTERM or
+# SIGINT that SLURM (scancel, preemption) or the terminal (Ctrl-C) has already sent each of them.
+SAME_STOP_SECONDS = 2.0
+
+
+class StopSignals:
+    """SLURM sends SIGUSR1 (--signal) before the time limit, SIGTERM on preemption; a person types Ctrl-C.
+    During training the first asks for a checkpoint at the end of the current step (requests is summed over
+    the ranks, so all stop at the same step); a second exits at once with 128 + its number, writing nothing,
+    so the last complete checkpoint stays as it was. Before training (data, model, loading) the first exits
+    at once; SIGUSR1 is caught only from then on, as slurm_submit.sh holds it until a worker catches it.
+    The interpreter's C handler writes each signal to a pipe read by a thread: that works while the main
+    thread waits inside a step or a collective, where a Python handler would only run once it returns."""
+
+    def __init__(self):
+        self.requests, self.training, self.first = [], False, 0.0
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        self.catch(signal.SIGTERM, signal.SIGINT)
+        threading.Thread(target=self.watch, args=(read_end,), daemon=True).start()
+
+    @staticmethod
+    def catch(*numbers):
+        for number in numbers:
+            signal.signal(number, lambda *_: None)  # the wakeup fd carries it to watch()
+
+    def start_training(self):
+        self.training = True
+        self.catch(signal.SIGUSR1)
+
+    def watch(self, read_end):
+        while True:
+            number = os.read(read_end, 1)[0]
+            if number not in STOP_SIGNALS:
+                continue
+            name = signal.Signals(number).name
+            if self.training and not self.requests:
+                self.requests.append(number)
+                self.first = time.monotonic()
+                print(
+                    f"{name}: checkpointing at the end of this step (a second signal exits at once)",
+                    flush=True,
+                )
+                continue
+            if self.training and time.monotonic() - self.first < SAME_STOP_SECONDS:
+                continue
+            why = "a second stop signal" if self.training else "before training started"
+            message = f"{name}, {why}: exiting at once with status {128 + number}, writing nothing"
+            print(message, file=sys.stderr, flush=True)
+            os._exit(128 + number)
+
+
+def flight_recorder_env(environ, folder):
+    """Turns on NCCL's flight recorder (the last FR_BUFFER_SIZE collectives of each rank, dumped when one
+    times out) with its dumps in folder/flight_recorder, alone there as torchfrtrace wants them; a variable
+    the user set, under its new or its old name, wins."""
+    dumps = os.path.join(folder, "flight_recorder")
+    defaults = {
+        ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"): str(FR_BUFFER_SIZE),
+        ("TORCH_NCCL_DUMP_ON_TIMEOUT",): "1",
+        ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"): os.path.join(dumps, "rank_"),
+    }
+    for names, value in defaults.items():
+        if not any(name in environ for name in names):
+            environ[names[0]] = value
+    if environ.get("TORCH_FR_DUMP_TEMP_FILE", "").startswith(dumps):
+        os.makedirs(dumps, exist_ok=True)
+
+
+def set_pg_timeouts(timeout, mesh):
+    """The timeout of the default group and the mesh's. Every rank first reaches this point (as in
+    torchtitan), so none issues a collective under a short timeout while another is still in a long first
+    step."""
+    dist.barrier()
+    for group in [None, *(mesh.get_group(dim) for dim in range(mesh.ndim))]:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+@contextlib.contextmanager
+def generous_pg_timeouts(mesh):
+    """A checkpoint write waits in barriers for the slowest writer, which on slow storage may take longer than
+    PG_TIMEOUT: its own limit is checkpoint_limit_s, kept by the watchdog."""
+    set_pg_timeouts(PG_TIMEOUT_FIRST_STEP, mesh)
+    yield
+    set_pg_timeouts(PG_TIMEOUT, mesh)
+
+
+class Watchdog:
+    """A daemon thread that ends a hung rank. When no optimizer step completes within max(hang_minimum_s,
+    hang_factor x median step time), it writes every thread's Python stack (and on GPU the flight recorder)
+    to the run's log folder, prints one line and exits with HUNG: no rank waits out a collective's timeout
+    silently. Until a step has been timed (the first compiles) the limit is PG_TIMEOUT_FIRST_STEP; checkpoint
+    writing and evaluation run under their own limits (phase)."""
+
+    def __init__(self, args, folder, rank, device, mesh):
+        self.args, self.rank, self.cuda, self.mesh = args, rank, device.type == "cuda", mesh
+        self.limits = {
+            "evaluating": args.eval_limit_s,
+            "writing a checkpoint": args.checkpoint_limit_s,
+            "writing the last checkpoint and model": args.checkpoint_limit_s,
+        }
+        self.host = socket.gethostname()
+        self.path = os.path.join(folder, f"stacks_{self.host}_rank{rank}.txt")
+        self.step_times = collections.deque(maxlen=100)
+        self.last, self.phase_limit, self.phase_name = time.monotonic(), None, None
+        threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
+
+    def step_done(self, timed):
+        now = time.monotonic()
+        if timed:
+            self.step_times.append(now - self.last)
+        self.last = now
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        """Evaluation and writing run under their own limits. A write also waits in barriers for the slowest
+        writer, which on slow storage may take longer than PG_TIMEOUT."""
+        # The order of the assignments keeps the thread from pairing a short limit with an old start time.
+        self.phase_limit, self.phase_name = self.limits[name], name
+        self.last = time.monotonic()
+        writing = generous_pg_timeouts(self.mesh) if name.startswith("writing") else contextlib.nullcontext()
+        try:
+            with writing:
+                yield
+        finally:
+            self.last = time.monotonic()
+            self.phase_limit = None
+
+    def limit(self):
+        if self.phase_limit is not None:
+            return self.phase_limit
+        if not self.step_times:
+            return PG_TIMEOUT_FIRST_STEP.total_seconds()
+        return max(self.args.hang_minimum_s, self.args.hang_factor * statistics.median(self.step_times))
+
+    def watch(self):
+        while True:
+            time.sleep(0.5)
+            limit, waited = self.limit(), time.monotonic() - self.last
+            if waited > limit:
+                self.report(waited, limit)
+
+    def report(self, waited, limit):
+        during = f"{self.phase_name}, " if self.phase_limit is not None else ""
+        line = (
+            f"no step for {waited:.0f} s on {self.host} rank {self.rank}; stacks in {self.path} "
+            f"({during}limit {limit:.0f} s)"
+        )
+        try:  # whatever fails here, the rank must still end
+            with open(self.path, "w") as file:
+                file.write(line + "\n\n")
+                file.flush()
+                faulthandler.dump_traceback(file, all_threads=True)
+            dump_trace = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+            if self.cuda and dump_trace is not None:  # a CUDA build: this rank's last collectives too
+                names = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+                prefix = next(os.environ[name] for name in names if os.environ.get(name))
+                with open(f"{prefix}{self.rank}", "wb") as file:
+                    file.write(dump_trace())
+        finally:
+            print(line, file=sys.stderr, flush=True)
+            os._exit(HUNG)
+
+
+class RankTimes:
+    """This rank's seconds computing and waiting for data since the last read. Compute is the decoder layers'
+    forward, timed from hooks that run after FSDP's own pre-forward hook has waited for the layer's gathered
+    weights: waiting for a slower rank is not counted, so a slow rank stands out instead of making every rank
+    look slow. On GPU the hooks record CUDA events, read at the log window's end when the step's own
+    synchronisation has completed them: no extra sync. Data wait is the host's time in next(batches)."""
+
+    def __init__(self, layers, device, compiled):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.compute, self.data, self.started, self.events = 0.0, 0.0, None, []
+        # The hooks run inside a compiled block's call: traced into its graph, they would time the tracing
+        # once. Only imported when compiling: torch.compiler imports dynamo, a second of every start.
+        outside_graph = torch.compiler.disable if compiled else lambda hook: hook
+        for layer in layers:
+            layer.register_forward_pre_hook(outside_graph(self.start))
+            layer.register_forward_hook(outside_graph(self.stop))
+
+    def start(self, module, args):
+        if torch.is_grad_enabled():  # training, not evaluation
+            self.started = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
+            if self.cuda:
+                self.started.record()
+
+    def stop(self, module, args, output):
+        if self.started is None:
+            return
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self.started, end))
+        else:
+            self.compute += time.perf_counter() - self.started
+        self.started = None
+
+    def timed(self, batches):
+        while True:
+            started = time.perf_counter()
+            item = next(batches)
+            self.data += time.perf_counter() - started
+            yield item
+
+    def reset(self):
+        self.compute, self.data, self.events = 0.0, 0.0, []
+
+    def gather(self, world_size, master):
+        """(compute s, data s) of every rank since the last gather, on rank 0; None on the others."""
+        compute = self.compute + sum(start.elapsed_time(end) / 1e3 for start, end in self.events)
+        local = torch.tensor([compute, self.data])
+        self.reset()
+        if self.cuda:
+            local = local.pin_memory().to(self.device, non_blocking=True)
+        gathered = [torch.empty_like(local) for _ in range(world_size)]
+        dist.all_gather(gathered, local)
+        return torch.stack(gathered).tolist() if master else None
+
+
+def find_stragglers(names, timings, margin=STRAGGLER_MARGIN):
+    """The medians, and the ranks more than margin above the median compute or data-wait time, as
+    {name: {figure: seconds}}. names: host:local_rank per rank; timings: (compute s, data s) per rank. The
+    excess must also be margin of the median compute and data time together: a data wait of microseconds
+    twice the median is noise."""
+    medians = dict(zip(("compute_s", "data_wait_s"), (statistics.median(column) for column in zip(*timings))))
+    floor = margin * sum(medians.values())
+    named = {}
+    for name, values in zip(names, timings):
+        slow = {
+            key: value
+            for (key, median), value in zip(medians.items(), values)
+            if value > (1 + margin) * median and value - median > floor
+        }
+        if slow:
+            named[name] = slow
+    return medians, named
+
+
+class Stragglers:
+    """Rank 0's view of the stragglers, log window after log window."""
+
+    def __init__(self, names):
+        self.names, self.streaks = names, {}
+
+    def log_window(self, timings, steps):
+        """The record's fields for one log window of steps timed steps (seconds per step); warns of a rank
+        named STRAGGLER_LOG_WINDOWS windows in a row."""
+        if not steps:
+            return {}
+        medians, named = find_stragglers(self.names, [[value / steps for value in rank] for rank in timings])
+        self.streaks = {name: self.streaks.get(name, 0) + 1 for name in named}
+        for name, streak in self.streaks.items():
+            if streak == STRAGGLER_LOG_WINDOWS:
+                host = name.rpartition(":")[0]
+                print(
+                    f"warning: {name} has been a straggler for {streak} log windows in a row "
+                    f"({describe_straggler(named[name], medians)}); if its node stays slow, stop the job "
+                    f"and resubmit without it: sbatch --exclude={host} slurm_submit.sh ...",
+                    flush=True,
+                )
+        return {**medians, "stragglers": named}
+
+
+def describe_straggler(figures, medians):
+    """figures and medians: seconds per step by compute_s and data_wait_s."""
+    described = [f"{key[:-2].replace('_', ' ')} {value:.3f} s/step vs median {medians[key]:.3f}"
+                 for key, value in figures.items()]  # fmt: skip
+    return ", ".join(described)
+
+
+class StepProfiler:
+    """--profile_steps=A,B: torch.profiler over steps A to B (as logged) of rank 0, written as a Chrome trace
+    that Perfetto and TensorBoard's profiler open; on GPU a CUDA memory snapshot beside it."""
+
+    def __init__(self, steps, folder, device, master):
+        self.steps = profiled_steps(steps) if master else None
+        self.folder, self.cuda = folder, device.type == "cuda"
+        self.profiler = None
+
+    @contextlib.contextmanager
+    def step(self, number):
+        if self.steps is None or not self.steps[0] <= number <= self.steps[1]:
+            yield
+            return
+        if number == self.steps[0]:
+            kinds = torch.profiler.ProfilerActivity
+            activities = [kinds.CPU, kinds.CUDA] if self.cuda else [kinds.CPU]
+            self.profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=True)
+            self.profiler.start()
+            if self.cuda:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
+        with torch.profiler.record_function(f"train step {number}"):
+            yield
+        if number == self.steps[1]:
+            self.profiler.stop()
+            first, last = self.steps
+            # .pt.trace.json: the name TensorBoard's profiler plugin looks for
+            name = f"trace_steps_{first}-{last}_{socket.gethostname()}_rank0.pt.trace.json"
+            trace = os.path.join(self.folder, name)
+            self.profiler.export_chrome_trace(trace)
+            print(f"profile: steps {first} to {last} traced in {trace}", flush=True)
+            if self.cuda:
+                snapshot = os.path.join(self.folder, f"memory_steps_{first}-{last}_rank0.pickle")
+                torch.cuda.memory._dump_snapshot(snapshot)
+                torch.cuda.memory._record_memory_history(enabled=None)
+                print(f"profile: CUDA memory snapshot in {snapshot}", flush=True)

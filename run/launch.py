@@ -1,0 +1,249 @@
+"""Launch: the machine check, the run's folders and lock (one trainer per run), the device and the process
+group, and the end of a run."""
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from run.guard import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
+from run.options import ConfigError, launched_world_size
+
+
+def check_machine_holds(args, meta_model):
+    """Refuses, before any model is built, a run whose weights, gradients and AdamW state alone (16 bytes a
+    parameter in fp32, sharded over the ranks) exceed this node's memory: GPU memory, or host memory."""
+    from benchmark import available_memory_bytes
+
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    world_size = launched_world_size(args)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    shards = 1 if args.sharding == "ddp" else world_size
+    if torch.cuda.is_available():
+        needed, where = 16 * n_params / shards, "per GPU"
+        available = torch.cuda.get_device_properties(0).total_memory
+    else:
+        needed, where = 16 * n_params / shards * local_world_size, "of host memory on this node"
+        available = available_memory_bytes()
+    if needed > available:
+        check = "python train.py --dry_run"
+        fix = f"on a CPU use --model=tiny; for GPUs, sbatch slurm_submit.sh (check first with {check})"
+        if torch.cuda.is_available():
+            fix = f"on GPUs, check a config with {check}"
+        raise ConfigError(
+            f"--model={args.init_from or args.model} needs at least {needed / 1e9:.1f} GB {where} for "
+            f"its weights, gradients and optimizer state; {available / 1e9:.1f} GB are available: {fix}"
+        )
+
+
+RUN_LOCK = "trainer.lock"
+
+LOCK_HEARTBEAT_S = 30
+
+LOCK_STALE_S = 300  # a lock whose heartbeat is this old, held on another host, is abandoned
+
+
+def make_run_folders(args):
+    """The run's checkpoint folder, its log folder (logs, config, curves, diagnostics) and its lock, which
+    rank 0 takes before any process group: a second launch of the same run stops here."""
+    run_dir = os.path.join(args.checkpoint_dir, args.run_name)
+    log_folder = os.path.join(args.log_dir, args.run_name)
+    os.makedirs(run_dir, exist_ok=True)
+    os.makedirs(log_folder, exist_ok=True)
+    return run_dir, log_folder, take_run_lock(run_dir) if os.environ.get("RANK", "0") == "0" else None
+
+
+def lock_is_stale(holder, age):
+    """The holder is gone: the same SLURM job, requeued; or it ran on this host and its pid is dead;
+    or, on another host, its heartbeat stopped."""
+    if holder.get("job_id") and holder["job_id"] == os.environ.get("SLURM_JOB_ID"):
+        return True
+    if holder.get("host") == socket.gethostname():
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, run by another user
+            return False
+        return False
+    return age > LOCK_STALE_S
+
+
+def take_run_lock(run_dir):
+    """One trainer per run: rank 0 holds <run_dir>/trainer.lock (host, pid, SLURM job id), its mtime
+    refreshed as a heartbeat. Returns the lock's path; a live holder is a ConfigError naming it."""
+    path = os.path.join(run_dir, RUN_LOCK)
+    mine = f"{path}.{socket.gethostname()}.{os.getpid()}"
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID")}
+    with open(mine, "w") as file:
+        json.dump(me, file)
+    try:
+        while True:
+            try:
+                os.link(mine, path)  # atomic, and fails if the lock exists, also on NFS
+                break
+            except FileExistsError:
+                pass
+            try:
+                with open(path) as file:
+                    holder = json.load(file)
+                age = time.time() - os.path.getmtime(path)
+            except FileNotFoundError:  # released meanwhile
+                continue
+            except (OSError, ValueError):
+                holder, age = {}, 0.0
+            if not lock_is_stale(holder, age):
+                job = f", SLURM job {holder['job_id']}" if holder.get("job_id") else ""
+                raise ConfigError(
+                    f"run {run_dir} is already being trained by pid {holder.get('pid', '?')} "
+                    f"on {holder.get('host', '?')}{job} (lock {path}); wait for it to finish, "
+                    f"or set another --run_name or --checkpoint_dir"
+                )
+            try:  # the rename lets only one of several launches take a stale lock over
+                os.rename(path, mine + ".stale")
+            except FileNotFoundError:
+                continue
+            os.remove(mine + ".stale")
+            gone = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
+            print(f"taking over the lock of run {run_dir} from {gone}, which is gone", flush=True)
+    finally:
+        os.remove(mine)
+
+    def heartbeat():
+        while True:
+            time.sleep(LOCK_HEARTBEAT_S)
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    return path
+
+
+def release_run_lock(path):
+    """Removes the lock if this process holds it; path is None on ranks other than 0."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        with open(path) as file:
+            if json.load(file)["pid"] == os.getpid():
+                os.remove(path)
+
+
+def setup_distributed(args, log_folder):
+    """(device, rank, world size, device mesh), the process group started. A plain `python train.py` is a
+    process group of one, on a free port."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        port = os.environ.get("MASTER_PORT") or str(free_port())
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        # Segments that grow in place instead of new blocks: less fragmentation as sequence shapes and
+        # FSDP's all-gather buffers come and go (torchtitan's launcher sets it too). A user's setting wins.
+        if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+            os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+        flight_recorder_env(os.environ, log_folder)
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if args.compile:
+        check_compiler(device)
+    if device.type == "cpu" and args.mixed_precision == "bf16" and rank == 0:
+        warn_if_bf16_is_slow()
+    store = None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # Workers restarted by torchrun --max-restarts meet in the same agent store as the failed attempt;
+        # without a per-attempt prefix they would read the dead workers' addresses and hang.
+        address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        agent_store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timedelta(minutes=30))
+        store = dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store)
+    cuda = device.type == "cuda"
+    # Offloaded gradients are CPU tensors: their norm needs a CPU backend beside NCCL. device_id binds
+    # NCCL's communicator to this GPU at once, instead of guessing it at the first collective.
+    backend = ("cuda:nccl,cpu:gloo" if args.cpu_offload else "nccl") if cuda else "gloo"
+    options = dict(timeout=PG_TIMEOUT_FIRST_STEP, device_id=device if cuda else None)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **options)
+    mesh = device_mesh(args, device.type, world_size, int(os.environ["LOCAL_WORLD_SIZE"]))
+    return device, rank, world_size, mesh
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_compiler(device):
+    """--compile needs a toolchain: a C++ compiler for CPU kernels, Triton and libcuda for GPU ones. Compiling
+    a two-line function finds out in seconds, before any data or model, instead of at the first step."""
+    try:
+        torch.compile(lambda x: torch.sin(x) * 2 + 1)(torch.ones(8, device=device))
+    except Exception as error:  # inductor raises many types; the first line names what is missing
+        needs = "a C++ compiler (g++, or $CXX)" if device.type == "cpu" else "Triton with libcuda"
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(
+            f"--compile=True cannot compile for {device.type}: it needs {needs} ({first[:200]}); "
+            f"install it, or use --compile=False"
+        ) from None
+
+
+def cpu_matmul_gflops():
+    """(fp32 GFLOP/s, bf16 GFLOP/s) of a small CPU matmul, best of 3. A CPU without native bf16 (AVX512-BF16,
+    AMX) multiplies bf16 matrices through a scalar fallback: 0.9 against fp32's 93 on an AVX2 EPYC."""
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.ones(64, 256, dtype=dtype), torch.ones(256, 256, dtype=dtype)
+        a @ b
+        seconds = []
+        for _ in range(3):
+            started = time.perf_counter()
+            a @ b
+            seconds.append(time.perf_counter() - started)
+        rates.append(2 * 64 * 256 * 256 / min(seconds) / 1e9)
+    return rates
+
+
+def warn_if_bf16_is_slow():
+    fp32, bf16 = cpu_matmul_gflops()
+    if fp32 > 4 * bf16:
+        print(
+            f"warning: this CPU multiplies bf16 matrices {fp32 / bf16:.0f}x slower than fp32 ({bf16:.1f} "
+            f"against {fp32:.1f} GFLOP/s): on it, --mixed_precision=fp32 trains faster",
+            flush=True,
+        )
+
+
+def device_mesh(args, device_type, world_size, local_world_size):
+    """One dimension, or (replicate, shard) over nodes for --sharding=hybrid."""
+    if args.sharding == "hybrid":
+        shape = (world_size // local_world_size, local_world_size)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world_size,))
+
+
+def already_finished(args, resume_path, total_steps, run_dir, master):
+    """A relaunch of a run that finished (its newest checkpoint is its last step, its model exported)."""
+    step = int(resume_path.rsplit("_", 1)[1]) if resume_path else 0
+    exported = os.path.isdir(os.path.join(run_dir, "final_model"))
+    finished = not args.resume_from and step >= total_steps and exported
+    if finished and master:
+        print(
+            f"run {args.run_name} already finished at step {step} ({resume_path}); nothing to do. Pass "
+            f"--run_name=NEW for a new run, or a larger --max_steps to train on.",
+            flush=True,
+        )
+    return finished
+
+
+def teardown(lock):
+    """Returns 0 once every rank is done with the process group, and the run's lock is released."""
+    dist.barrier()  # a rank leaving while gloo still talks to it aborts the other
+    dist.destroy_process_group()
+    release_run_lock(lock)
+    return 0

@@ -1,0 +1,334 @@
+"""Options: the constants of train.py, then --config=FILE.yaml files, then --name=value flags, each value
+checked against its constant's type; and every check that needs no data, before any process group or model.
+Bad input is a ConfigError: one line per problem, exit status 2."""
+
+import contextlib
+import difflib
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import tempfile
+import types
+
+import torch
+import yaml
+
+CHOICES = {
+    "sharding": ("full", "grad_op", "hybrid", "ddp"),
+    "ckpt_format": ("sharded", "full"),
+    "activation_checkpointing": ("none", "full", "op", "selective"),
+    "mixed_precision": ("auto", "bf16", "fp32"),
+}
+
+POSITIVE = ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every", "checkpoint_every",
+            "max_bad_steps", "ac_every", "gpus_per_node", "eval_batches", "hang_minimum_s", "hang_factor",
+            "checkpoint_limit_s", "eval_limit_s")  # fmt: skip
+
+NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last")
+
+# Options that change how a run is operated but not what it computes: left out of the default run_name.
+# The run's length is among them, so that a larger max_steps continues the same run.
+OPERATIONAL = {
+    "run_name", "checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume_from",
+    "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
+    "prepare_only", "eval_every", "eval_batches", "world_size", "gpus_per_node", "gpu", "hang_minimum_s",
+    "hang_factor", "checkpoint_limit_s", "eval_limit_s", "profile_steps", "max_steps", "num_epochs", "wandb",
+    "plot", "export_from",
+}  # fmt: skip
+
+
+def print_help(script):
+    """The help is the script's docstring, then its constants block itself, with its comments."""
+    source = open(script.__file__).read()
+    constants = source[source.index("# Model: a preset") : source.index("# fmt: on")]
+    print(f"{script.__doc__}\nOptions (--name=value):\n{constants}")
+    return 0
+
+
+class ConfigError(ValueError):
+    """Bad user input: reported as one line and exit status 2, before anything expensive. Every rank finds
+    the same error, so one says it: global rank 0, or for what differs by node local rank 0 of each node."""
+
+    def __init__(self, message, per_node=False):
+        super().__init__(message)
+        self.per_node = per_node
+
+
+def report_config_error(error):
+    speaker = os.environ.get("LOCAL_RANK" if error.per_node else "RANK", "0") == "0"
+    fail(error) if speaker else sys.exit(2)
+
+
+def fail(message):
+    print("\n".join(f"error: {line}" for line in str(message).splitlines()), file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def parse_args(argv, constants):
+    """constants: name -> (default, type), the options as train.py declares them. Each value type-checked
+    against its constant's type."""
+    hints = {name: hint for name, (_, hint) in constants.items()}
+    args = {name: default for name, (default, _) in constants.items()}
+    for path in [arg.removeprefix("--config=") for arg in argv if arg.startswith("--config=")]:
+        args.update(read_config_file(path, hints))
+    for arg in (arg for arg in argv if not arg.startswith("--config=")):
+        name, has_value, text = arg.removeprefix("--").partition("=")
+        if not arg.startswith("--") or not name:
+            raise ConfigError(f"unexpected argument {arg!r}: options are written --name=value")
+        if name not in args:
+            raise ConfigError(f"unknown option --{name}{suggestion(name, args, '--')}")
+        args[name] = convert(name, text if has_value else "true", hints[name], "--")
+    return types.SimpleNamespace(**args)
+
+
+def suggestion(name, valid, prefix):
+    close = difflib.get_close_matches(name, valid, n=1)
+    return f"; did you mean {prefix}{close[0]}?" if close else f"; valid options: {', '.join(valid)}"
+
+
+def read_config_file(path, hints):
+    try:
+        with open(path) as file:
+            values = yaml.safe_load(file) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"--config={path}: {' '.join(str(error).split())}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of name: value, got {type(values).__name__}")
+    for name in values:
+        if name not in hints:
+            raise ConfigError(f"{path}: unknown key {name!r}{suggestion(str(name), hints, '')}")
+    return {name: convert(name, value, hints[name], f"{path}: ") for name, value in values.items()}
+
+
+BOOLEANS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
+
+
+def convert(name, value, hint, where):
+    """value: a flag's text, or a YAML value, typed already or text read the way a flag is."""
+    allows_none = isinstance(hint, types.UnionType)
+    kind = next(t for t in getattr(hint, "__args__", (hint,)) if t is not type(None))
+    if allows_none and (value is None or isinstance(value, str) and value.lower() == "none"):
+        return None
+    converted = value
+    if isinstance(value, str) and kind is bool:
+        converted = BOOLEANS.get(value.lower(), value)
+    elif isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            converted = kind(value)
+    if type(converted) is kind or kind is float and type(converted) is int:
+        if kind is not float or math.isfinite(converted):
+            return kind(converted)
+    expected = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}[kind]
+    raise ConfigError(f"{where}{name} expects {expected}{' or none' if allows_none else ''}, got {value!r}")
+
+
+def validate(args, resolve_shape, parse_source):
+    """Every check that needs no data, before any process group or model; fills in what the options
+    leave to the run (seq_length, precision, run_name). train.py's resolve_shape(args) gives the model's shape
+    (its shape constants named in shape.names), its parse_source(args) the kind of --data. Returns the shape,
+    or None for --plot and --export_from, which need no model."""
+    kind = parse_source(args)[0]  # checks --data
+    use_cache_if_hub_unreachable(args, kind)  # before any Hugging Face library is imported
+    if args.plot or args.export_from:
+        return None
+    shape = resolve_shape(args)
+    if args.seq_length is None:
+        args.seq_length = shape.n_positions
+    # true and false: the values from before the option had a selective mode
+    mode = {"true": "full", "false": "none"}.get(args.activation_checkpointing.lower())
+    args.activation_checkpointing = mode or args.activation_checkpointing
+    if args.mixed_precision == "auto":  # a dry run simulates the GPU
+        args.mixed_precision = "bf16" if args.dry_run or torch.cuda.is_available() else "fp32"
+    for name, choices in CHOICES.items():
+        if getattr(args, name) not in choices:
+            raise ConfigError(f"--{name}={getattr(args, name)} is not one of: {', '.join(choices)}")
+    check_ranges(args, shape)
+    check_combinations(args, shape)
+    if args.prepare_only and kind not in ("hub", "local"):
+        raise ConfigError(f"--prepare_only prepares wikitext or a local path; --data={args.data} needs none")
+    if args.data != "dummy":
+        missing_folder("--tokenizer", args.tokenizer)
+    if args.dry_run:
+        gpu_memory_gb(args.gpu)
+        check_simulating_torch()
+    else:
+        check_trackers(args)
+    folders = [] if args.dry_run or args.prepare_only else ["checkpoint_dir", "log_dir"]
+    if args.data != "dummy" and not args.dry_run:
+        folders.append("data_cache")
+    for name in folders:
+        writable_folder(f"--{name}", getattr(args, name))
+    if args.run_name is None:
+        identity = {k: v for k, v in vars(args).items() if k not in OPERATIONAL}
+        digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+        args.run_name = f"{args.model}-{digest}"
+    return shape
+
+
+def check_ranges(args, shape):
+    """Each value out of range is its own line, all of them at once."""
+    problems = [f"--{name} must be positive, got {getattr(shape, name)}" for name in shape.names
+                if getattr(shape, name) <= 0]  # fmt: skip
+    problems += [f"--{name} must be positive, got {getattr(args, name)}" for name in POSITIVE
+                 if getattr(args, name) <= 0]  # fmt: skip
+    problems += [f"--{name} must not be negative, got {getattr(args, name)}" for name in NOT_NEGATIVE
+                 if getattr(args, name) < 0]  # fmt: skip
+    if not 0 < args.val_fraction < 1:
+        problems.append(f"--val_fraction must lie between 0 and 1, got {args.val_fraction}")
+    if args.eval_every < 0:
+        problems.append(f"--eval_every must not be negative (0: never), got {args.eval_every}")
+    if args.max_steps == 0 or args.max_steps < -1:
+        problems.append(f"--max_steps must be positive, or -1 for num_epochs passes, got {args.max_steps}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def launched_world_size(args):
+    """torchrun's world size; a dry run's is --world_size, else $WORLD_SIZE, else 8."""
+    return args.world_size or int(os.environ.get("WORLD_SIZE", 8 if args.dry_run else 1))
+
+
+def check_combinations(args, shape):
+    if shape.n_embd % shape.n_head:
+        raise ConfigError(f"--n_embd={shape.n_embd} is not divisible by --n_head={shape.n_head}")
+    if args.seq_length > shape.n_positions:
+        raise ConfigError(
+            f"--seq_length={args.seq_length} exceeds the model's {shape.n_positions} positions; "
+            f"lower --seq_length or raise --n_positions"
+        )
+    if args.world_size is not None and not args.dry_run:
+        raise ConfigError("--world_size is for --dry_run; a training run takes its world size from torchrun")
+    world_size = launched_world_size(args)
+    if world_size <= 0:
+        raise ConfigError(f"--world_size must be positive, got {world_size}")
+    per_micro_step = args.batch_size * world_size
+    if args.global_batch_size % per_micro_step:
+        raise ConfigError(
+            f"--global_batch_size={args.global_batch_size} is not divisible by batch_size x world "
+            f"size = {args.batch_size} x {world_size}; use a multiple of {per_micro_step}"
+        )
+    node_size = args.gpus_per_node if args.dry_run else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if args.sharding == "hybrid" and world_size % node_size:
+        raise ConfigError(
+            f"--sharding=hybrid needs the same number of processes on every node "
+            f"({world_size} over nodes of {node_size})"
+        )
+    if not 0 <= args.min_lr <= args.lr:
+        raise ConfigError(f"--min_lr={args.min_lr} must lie between 0 and --lr={args.lr}")
+    if args.init_from and any(getattr(args, name) is not None for name in shape.names):
+        raise ConfigError(
+            f"--init_from={args.init_from} brings its own shape; drop --{', --'.join(shape.names)}"
+        )
+    if args.cpu_offload and args.sharding == "ddp":
+        raise ConfigError("--cpu_offload=True needs FSDP; it does not work with --sharding=ddp")
+    if args.resume_from and not os.path.isfile(os.path.join(args.resume_from, "trainer_state.json")):
+        raise ConfigError(
+            f"--resume_from={args.resume_from} is not a complete checkpoint folder (no trainer_state.json)"
+        )
+    profiled_steps(args.profile_steps)
+
+
+def profiled_steps(text):
+    """--profile_steps=A,B as (A, B); None when not set."""
+    if text is None:
+        return None
+    first, _, last = text.partition(",")
+    if not (first.strip().isdigit() and last.strip().isdigit() and 1 <= int(first) <= int(last)):
+        raise ConfigError(
+            f"--profile_steps={text}: expected two step numbers A,B with 1 <= A <= B, "
+            f"e.g. --profile_steps=5,8"
+        )
+    return int(first), int(last)
+
+
+def missing_folder(option, value):
+    """A value written as a local path (a hub name is NAME or OWNER/NAME) must be an existing folder."""
+    local = value.startswith((".", "/", "~")) or value.endswith("/") or value.count("/") > 1
+    if local and not os.path.isdir(os.path.expanduser(value)):
+        file = " (it is a file; give the folder holding it)" if os.path.isfile(value) else ""
+        raise ConfigError(f"{option}={value}: no such folder{file}")
+
+
+def writable_folder(option, path):
+    """Creates path and checks a file can be written in it: a folder that cannot be written would fail
+    later, after hours. Checked on every node, as one may lack it."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as error:
+        message = f"{option}={path} is not writable ({error.strerror}); point it at a writable folder"
+        raise ConfigError(message, per_node=True) from None
+
+
+def check_trackers(args):
+    """The trackers asked for must be importable."""
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "--tensorboard=True needs the tensorboard package: pip install -r "
+            "requirements.txt, or pass --tensorboard=False"
+        )
+    if args.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"--wandb={args.wandb} needs the wandb package: pip install -r requirements.txt, "
+            f"or leave --wandb unset"
+        )
+
+
+def gpu_memory_gb(gpu):
+    """--gpu as (its name, its memory in GB): a name of benchmark.py's datasheet, or a number of GB."""
+    from benchmark import datasheet
+
+    with contextlib.suppress(ValueError):
+        return None, float(gpu)
+    sheet = datasheet(gpu)
+    if sheet is None:
+        raise ConfigError(
+            f"--gpu={gpu} is not in benchmark.py's datasheet; give its memory in GB, e.g. --gpu=80"
+        )
+    return gpu, sheet["memory_GB"]
+
+
+def check_simulating_torch():
+    """FSDPMemTracker counted DTensor's sharding propagation (full-size fake tensors) as memory until
+    pytorch/pytorch#183970. Measured on one H100 (gpt2-xl, batch 4): torch 2.11 simulated 48.5 GB, torch 2.13
+    25.5 GB, and torch.cuda.max_memory_allocated was 25.8 GB."""
+    if torch.__version__ < "2.13":
+        raise ConfigError(
+            f"--dry_run needs torch 2.13 or later: torch {torch.__version__}'s memory tracker overstates the "
+            "peak; run it with the pinned torch, which needs no GPU (bash setup.sh; "
+            ".venv/bin/python train.py --dry_run)"
+        )
+
+
+def hub_needed(args, data_kind):
+    """Whether the data, tokenizer or init_from model may have to come from the Hugging Face hub."""
+    tokenizer_from_hub = args.data != "dummy" and not os.path.isdir(args.tokenizer)
+    hub_data = data_kind in ("hub", "stream")
+    model_from_hub = bool(args.init_from) and not os.path.isdir(args.init_from)
+    return tokenizer_from_hub or hub_data or model_from_hub
+
+
+def use_cache_if_hub_unreachable(args, data_kind):
+    """One quick request to the hub; when it fails, offline mode: only cached files are used, and what is
+    missing fails at once instead of after huggingface_hub's retries (a minute for a tokenizer). Before any
+    Hugging Face library is imported: they read HF_HUB_OFFLINE once, at import."""
+    import urllib.request
+
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or not hub_needed(args, data_kind):
+        return
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=5).close()
+    except urllib.error.HTTPError:
+        pass  # reachable
+    except (OSError, ValueError) as error:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(
+                f"{endpoint} is unreachable ({getattr(error, 'reason', error)}): using cached files only",
+                flush=True,
+            )

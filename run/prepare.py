@@ -1,0 +1,196 @@
+"""Preparing token files: a corpus (wikitext or local .txt/.jsonl/.parquet files) tokenised once, on every
+core of one node, into a flat file of token ids with a JSON sidecar; every rank then maps the same file.
+Rank 0 prepares while the others wait."""
+
+import codecs
+import glob
+import hashlib
+import json
+import os
+from datetime import timedelta
+
+import numpy as np
+import torch.distributed as dist
+
+from run.options import ConfigError
+
+FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def tokenize_documents(tokenizer, column):
+    """A batched map function: each non-blank text becomes its token ids followed by EOS."""
+
+    def tokenize(batch):
+        texts = [text or "" for text in batch[column]]
+        ids = tokenizer(texts, verbose=False)["input_ids"]
+        eos = [tokenizer.eos_token_id]
+        return {"input_ids": [doc + eos if text.strip() else [] for text, doc in zip(texts, ids)]}
+
+    return tokenize
+
+
+def token_dtype(tokenizer):
+    return np.uint16 if len(tokenizer) <= 2**16 else np.uint32
+
+
+def corpus_files(path):
+    return (
+        [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "**", "*.*"), recursive=True))
+    )
+
+
+def check_utf8(path):
+    """A text corpus file must be UTF-8: anything else would fail deep inside datasets."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as file:
+        while True:
+            chunk = file.read(2**24)
+            held = len(decoder.getstate()[0])  # the start of a character cut by the previous chunk's end
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as error:
+                position = offset - held + error.start
+                raise ConfigError(
+                    f"--data: {path} is not UTF-8 text (invalid byte at offset {position}); "
+                    f"convert it (iconv -t utf-8) or remove it"
+                ) from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
+def load_document_splits(args, kind, name, config):
+    """train and validation splits of wikitext or a local corpus, as map-style datasets."""
+    from datasets import load_dataset
+
+    cache_dir = os.path.join(args.data_cache, "hf")
+    if kind == "hub":
+        fix = (
+            f" and nothing is prepared in {args.data_cache}; run `python train.py --prepare_only "
+            f"--data={args.data} --tokenizer={args.tokenizer} --data_cache={args.data_cache}` on a machine "
+            f"with internet"
+        )
+        splits = load_hub_dataset(args, name, config, fix, cache_dir=cache_dir)
+    else:
+        files = corpus_files(name)
+        formats = sorted({os.path.splitext(path)[1] for path in files} & set(FILE_BUILDERS))
+        if len(formats) != 1:  # datasets would silently read only the most common format
+            found = f"mixes {', '.join(formats)}; keep one format per folder" if formats else ""
+            raise ConfigError(f"--data={args.data} {found or 'has no .txt, .jsonl or .parquet file'}")
+        if sum(os.path.getsize(path) for path in files) == 0:
+            raise ConfigError(f"--data={args.data} holds no text")
+        for path in files if formats[0] != ".parquet" else []:
+            check_utf8(path)
+        # In a folder, files named like train/validation/test become those splits (datasets' naming rules).
+        where = dict(data_files=name) if os.path.isfile(name) else dict(data_dir=name)
+        splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=cache_dir)
+        check_text_column(args, splits["train"].column_names)
+    if "validation" not in splits:
+        if splits["train"].num_rows < 2:
+            raise ConfigError(
+                f"--data={args.data} holds fewer than 2 documents, too few to hold some out for validation"
+            )
+        # A fixed seed: the same share every run.
+        held_out = splits["train"].train_test_split(test_size=args.val_fraction, seed=0)
+        splits = {"train": held_out["train"], "validation": held_out["test"]}
+    return splits
+
+
+def load_hub_dataset(args, name, config, fix, **options):
+    """A dataset of the hub, whose train split must hold --text_column; when the hub cannot give it
+    (unreachable, or not there), one line that ends with fix."""
+    from datasets import load_dataset
+
+    try:
+        splits = load_dataset(name, config, **options)
+    except OSError as error:  # unreachable (ConnectionError) or not there
+        reason = str(error).splitlines()[0]
+        raise ConfigError(f"cannot load {name} from the Hugging Face hub ({reason}){fix}") from None
+    check_text_column(args, splits["train"].column_names)
+    return splits
+
+
+def check_text_column(args, columns):
+    """columns: None where a stream does not know them before it is read."""
+    if columns is not None and args.text_column not in columns:
+        raise ConfigError(
+            f"--text_column={args.text_column} is not a column of --data={args.data}; "
+            f"columns: {', '.join(columns)}"
+        )
+
+
+def read_sidecar(path):
+    """The sidecar of a complete token file; None when either is missing, truncated or corrupt."""
+    try:
+        with open(path + ".json") as file:
+            meta = json.load(file)
+        if os.path.getsize(path) != meta["tokens"] * np.dtype(meta["dtype"]).itemsize:
+            return None
+        digest = hashlib.blake2b()
+        with open(path, "rb") as file:
+            while chunk := file.read(2**26):
+                digest.update(chunk)
+        return meta if digest.hexdigest() == meta["blake2b"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def prepare_token_files(args, kind, name, config, tokenizer):
+    """Paths of the train and validation token files of wikitext or a local corpus, tokenised on every
+    core of the node unless complete. Each is written under a temporary name and renamed, its sidecar
+    last, so a file cut short by a crash is never taken for complete."""
+    meta = {"source": name, "config": config, "text_column": args.text_column}
+    meta.update(val_fraction=args.val_fraction, tokenizer=args.tokenizer, vocab=len(tokenizer))
+    # The corpus files' sizes and times and the vocabulary are in the key: an edited corpus or tokenizer
+    # is prepared anew.
+    corpus = corpus_files(name) if kind == "local" else []
+    files = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in corpus]
+    vocabulary = sorted(tokenizer.get_vocab().items())
+    key = hashlib.sha256(json.dumps([meta, files, vocabulary]).encode()).hexdigest()[:12]
+    folder = os.path.join(args.data_cache, f"{os.path.basename(name.rstrip('/'))}-{key}")
+    paths = {split: os.path.join(folder, f"{split}.bin") for split in ("train", "validation")}
+    if all(read_sidecar(path) for path in paths.values()):
+        print(f"data: reusing prepared tokens in {folder}", flush=True)
+        return paths
+    print(f"data: tokenizing --data={args.data} with {args.tokenizer} into {folder}", flush=True)
+    os.makedirs(folder, exist_ok=True)
+    import pyarrow.compute as pc
+
+    cores = len(os.sched_getaffinity(0))
+    for split, documents in load_document_splits(args, kind, name, config).items():
+        tokenize = tokenize_documents(tokenizer, args.text_column)
+        workers, columns = min(cores, max(1, documents.num_rows // 1000)), documents.column_names
+        label = f"tokenizing {split}"
+        tokens = documents.map(tokenize, batched=True, remove_columns=columns, num_proc=workers, desc=label)
+        digest, count, temporary = hashlib.blake2b(), 0, f"{paths[split]}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as file:
+            for table in tokens.with_format("arrow").iter(batch_size=2**16):
+                ids = pc.list_flatten(table["input_ids"]).to_numpy().astype(token_dtype(tokenizer))
+                ids.tofile(file)
+                digest.update(ids)
+                count += len(ids)
+        if count == 0:
+            raise ConfigError(f"--data={args.data} holds no text in its {split} split")
+        os.replace(temporary, paths[split])
+        with open(temporary, "w") as file:
+            dtype = np.dtype(token_dtype(tokenizer)).name
+            json.dump(
+                {**meta, "split": split, "tokens": count, "dtype": dtype, "blake2b": digest.hexdigest()}, file
+            )
+        os.replace(temporary, paths[split] + ".json")
+    return paths
+
+
+def shared_token_files(args, kind, name, config, tokenizer, rank):
+    """Global rank 0 prepares; the others wait (for hours if need be) and get its paths or its error."""
+    group = dist.new_group(backend="gloo", timeout=timedelta(hours=12))
+    outcome = [None]
+    if rank == 0:
+        try:
+            outcome = [prepare_token_files(args, kind, name, config, tokenizer)]
+        except ConfigError as error:
+            outcome = [error]
+    dist.broadcast_object_list(outcome, src=0, group=group)
+    if isinstance(outcome[0], ConfigError):
+        raise outcome[0]
+    return outcome[0]

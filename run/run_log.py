@@ -1,0 +1,334 @@
+"""The run log: the config and model at the start, a line per log window on rank 0 (loss, speed, MFU, memory,
+stragglers), and the run's folder <log_dir>/<run_name>: metrics.jsonl, TensorBoard, W&B, config.yaml and
+curves.png."""
+
+import contextlib
+import json
+import math
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from run.checkpoints import newest_checkpoint
+from run.guard import RankTimes, Stragglers, describe_straggler
+from run.options import ConfigError, fail
+
+
+def describe_model(args, shape, model_config, meta_model):
+    """Prints the options and the model, as the dry run and the training run both begin; returns the
+    number of parameters."""
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    print("config:", " ".join(f"{k}={v}" for k, v in vars(args).items()))
+    print(
+        f"model: {args.init_from or args.model} ({type(model_config).__name__}) n_embd={shape.n_embd} "
+        f"n_layer={shape.n_layer} n_head={shape.n_head} n_positions={shape.n_positions} "
+        f"vocab={model_config.vocab_size}"
+    )
+    print(f"parameters: {n_params:,} ({n_params / 1e9:.2f}B)", flush=True)
+    return n_params
+
+
+def print_start(args, shape, model_config, meta_model, device, total_steps):
+    """What a training run prints before its first step: the config, the model, the world and the plan."""
+    describe_model(args, shape, model_config, meta_model)
+    world_size = dist.get_world_size()
+    accumulation = args.global_batch_size // (args.batch_size * world_size)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    tokens = args.global_batch_size * args.seq_length
+    print(
+        f"world_size={world_size} | device={name} | gradient accumulation {accumulation} | "
+        f"{total_steps} steps of {tokens:,} tokens",
+        flush=True,
+    )
+
+
+class Progress:
+    """Where the run stands (step, tokens seen, time) and its log window: the loss over every step since the
+    last line, and speed over the timed steps among them (not the first, compiling, step; never evaluation
+    or checkpoint writing). Also stops the run after max_bad_steps non-finite steps in a row."""
+
+    def __init__(self, args, layers, flops_per_token, device, total_steps, start_time, folder):
+        """layers: the model's decoder layers, whose forward is this rank's compute time."""
+        self.args, self.device, self.total_steps, self.start_time = args, device, total_steps, start_time
+        self.world_size, self.master = dist.get_world_size(), dist.get_rank() == 0
+        self.step, self.tokens_seen, self.elapsed_before, self.bad_steps = 0, 0, 0.0, 0
+        self.tokens_per_step = args.global_batch_size * args.seq_length
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops(device)
+        self.rank_times = RankTimes(layers, device, args.compile)
+        names = [None] * self.world_size
+        dist.all_gather_object(names, f"{socket.gethostname()}:{os.environ['LOCAL_RANK']}")
+        self.stragglers = Stragglers(names)
+        self.run_log = RunLog(args, folder) if self.master else None
+        self.first_step_end, self.step_seconds = None, 0.0
+        self.log_window = self.new_log_window()
+
+    def resume(self, trainer_state, path):
+        self.step, self.tokens_seen = trainer_state["step"], trainer_state["tokens_seen"]
+        self.elapsed_before = trainer_state.get("elapsed_s", 0.0)  # the time of the run's earlier launches
+        if self.master:
+            fresh = " (weights only, fresh optimizer)" if self.args.skip_optimizer else ""
+            print(f"resumed from {path} at step {self.step}{fresh}", flush=True)
+
+    def timed(self, batches):
+        return self.rank_times.timed(batches)
+
+    @contextlib.contextmanager
+    def timing(self):
+        started = time.perf_counter()
+        yield
+        self.step_seconds = time.perf_counter() - started
+
+    def new_log_window(self):
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return {"loss": torch.zeros((), device=self.device), "steps": 0, "seconds": 0.0, "timed": 0}
+
+    def step_done(self, step, loss, grad_norm, lr):
+        self.step, self.grad_norm, self.lr = step, grad_norm, lr
+        self.tokens_seen += self.tokens_per_step
+        # The ETA counts from the first step's end: evaluation and checkpoints in, compiling out.
+        if self.first_step_end is None:
+            self.first_step_end, self.first_step = time.perf_counter(), step
+            self.rank_times.reset()
+            if self.master:
+                print(f"time to first step: {self.first_step_end - self.start_time:.1f} s", flush=True)
+        else:
+            self.log_window["seconds"] += self.step_seconds
+            self.log_window["timed"] += 1
+        self.log_window["loss"] += loss
+        self.log_window["steps"] += 1
+        self.bad_steps = 0 if math.isfinite(grad_norm) else self.bad_steps + 1
+        if self.bad_steps and self.master:
+            print(
+                f"step {step}: non-finite loss or gradient norm, update skipped ({self.bad_steps} in a row, "
+                f"limit {self.args.max_bad_steps})",
+                flush=True,
+            )
+        if self.bad_steps >= self.args.max_bad_steps:
+            kept = newest_checkpoint(os.path.join(self.args.checkpoint_dir, self.args.run_name))
+            fail(
+                f"stopping: {self.bad_steps} non-finite steps in a row (lower --lr or raise --warmup_steps); "
+                f"last good checkpoint: {kept or 'none written yet'}"
+            )
+
+    def log(self, val_loss):
+        """Every rank takes part: the loss is averaged, and the ranks' timings gathered for stragglers."""
+        dist.all_reduce(self.log_window["loss"])  # gloo has no AVG: sum, then divide
+        timings = self.rank_times.gather(self.world_size, self.master)
+        if self.master:
+            record = self.record(val_loss)
+            record.update(self.stragglers.log_window(timings, self.log_window["timed"]))
+            print(log_line(record, self.total_steps), flush=True)
+            self.run_log.write(record)
+        self.log_window = self.new_log_window()
+
+    def record(self, val_loss):
+        timed, seconds, now = self.log_window["timed"], self.log_window["seconds"], time.perf_counter()
+        cuda, steps_since_first = self.device.type == "cuda", self.step - self.first_step
+        tokens_per_s = self.tokens_per_step * timed / seconds if timed else None
+        peak = self.peak_flops * self.world_size if self.peak_flops and timed else None
+        mfu = self.flops_per_token * tokens_per_s / peak if peak else None
+        rate = (now - self.first_step_end) / steps_since_first if steps_since_first else None
+        loss_sum = self.log_window["loss"]  # over the steps of the window and the ranks
+        record = {
+            "step": self.step, "loss": loss_sum.item() / self.world_size / self.log_window["steps"],
+            "lr": self.lr, "grad_norm": self.grad_norm, "tokens_per_s": tokens_per_s,
+            "samples_per_s": self.args.global_batch_size * timed / seconds if timed else None,
+            "step_time_s": seconds / timed if timed else None, "mfu": mfu,
+            "peak_mem_GB": torch.cuda.max_memory_allocated(self.device) / 1e9 if cuda else None,
+            "peak_reserved_GB": torch.cuda.max_memory_reserved(self.device) / 1e9 if cuda else None,
+            "elapsed_s": self.elapsed_before + now - self.start_time,
+            "eta_s": rate * (self.total_steps - self.step) if rate is not None else None,
+        }  # fmt: skip
+        if val_loss is not None:
+            record.update(val_loss=val_loss, val_ppl=math.exp(min(val_loss, 50)))
+        return record
+
+    def trainer_state(self):
+        elapsed = self.elapsed_before + time.perf_counter() - self.start_time
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": elapsed}
+
+    def close(self, stopped):
+        if not self.master:
+            return
+        if stopped:
+            print(
+                f"stopped by signal after step {self.step}; checkpoint saved, relaunch to resume", flush=True
+            )
+        else:
+            print(
+                f"done: {self.total_steps} steps in {time.perf_counter() - self.start_time:.1f} s", flush=True
+            )
+        self.run_log.close()
+        if curves := plot_curves(self.run_log.folder):
+            print(f"curves: {curves}", flush=True)
+
+
+def peak_flops(device):
+    """Dense bf16 peak of one device from benchmark.py's datasheet table; None on CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    from benchmark import datasheet
+
+    sheet = datasheet(torch.cuda.get_device_name(device))
+    return sheet["bf16"] * 1e12 if sheet and sheet.get("bf16") else None
+
+
+def duration(seconds):
+    if seconds is None:
+        return "-"
+    return f"{int(seconds) // 3600}:{int(seconds) % 3600 // 60:02d}:{int(seconds) % 60:02d}"
+
+
+def log_line(record, total_steps):
+    def shown(key, text):
+        return text.format(record[key]) if record[key] is not None else "-"
+
+    line = (f"step {record['step']:>6}/{total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad norm {record['grad_norm']:.3f} | {shown('tokens_per_s', '{:,.0f}')} tok/s | "
+            f"{shown('samples_per_s', '{:.1f}')} samples/s | step {shown('step_time_s', '{:.3f}')} s | "
+            f"MFU {shown('mfu', '{:.1%}')} | mem {shown('peak_mem_GB', '{:.1f}')} / "
+            f"{shown('peak_reserved_GB', '{:.1f}')} GB | elapsed {duration(record['elapsed_s'])} | "
+            f"ETA {duration(record['eta_s'])}")  # fmt: skip
+    if "val_loss" in record:
+        line += f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}"
+    for name, figures in record.get("stragglers", {}).items():
+        line += f" | straggler {name}: {describe_straggler(figures, record)}"
+    return line
+
+
+class RunLog:
+    """Rank 0's records of a run in its folder <log_dir>/<run_name>: metrics.jsonl (appended to by every
+    launch of the run), TensorBoard, and W&B when --wandb names a project. The W&B run's id is the run
+    name, so a requeued or relaunched job continues the same W&B run."""
+
+    def __init__(self, args, folder):
+        self.folder = folder
+        self.metrics = open(os.path.join(folder, "metrics.jsonl"), "a")
+        self.writer = self.wandb = None
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(folder, "tensorboard"))
+        if args.wandb:
+            import wandb as wandb_module  # the constant wandb is the project's name
+
+            try:
+                run = dict(project=args.wandb, id=args.run_name, name=args.run_name, resume="allow")
+                self.wandb = wandb_module.init(**run, config=vars(args), dir=folder)
+            except wandb_module.errors.Error as error:  # no API key, W&B unreachable
+                fail(f"--wandb={args.wandb}: {str(error).splitlines()[0]}; or set WANDB_MODE=offline")
+
+    def write(self, record):
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        scalars = {
+            f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}": value
+            for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float))
+        }
+        for key, value in scalars.items() if self.writer is not None else ():
+            self.writer.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
+
+    def close(self):
+        self.metrics.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def write_atomically(path, text):
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as file:
+        file.write(text)
+    os.replace(temporary, path)
+
+
+def write_run_folder(args, folder):
+    """The resolved config, which --config=<folder>/config.yaml replays, and a pointer to the benchmark
+    report of each job that trained the run (slurm_submit.sh names it in $BENCHMARK_REPORT)."""
+    write_atomically(os.path.join(folder, "config.yaml"), yaml.safe_dump(vars(args), sort_keys=False))
+    report = os.environ.get("BENCHMARK_REPORT")
+    if report:
+        pointer = os.path.join(folder, "benchmark_reports.txt")
+        known = open(pointer).read().splitlines() if os.path.exists(pointer) else []
+        line = f"{os.environ.get('SLURM_JOB_ID', 'no SLURM job')}: {os.path.abspath(report)}"
+        write_atomically(pointer, "\n".join(dict.fromkeys([*known, line])) + "\n")
+
+
+def read_records(folder):
+    """The last record of each logged step of a run folder's metrics.jsonl (a resumed run logs some again)."""
+    records = {}
+    with open(os.path.join(folder, "metrics.jsonl")) as file:
+        for line in file:
+            if line.endswith("\n"):  # a line being written as --plot reads is left for the next plot
+                record = json.loads(line)
+                records[record["step"]] = record
+    return [records[step] for step in sorted(records)]
+
+
+def plot_curves(folder):
+    """<folder>/curves.png: loss and validation loss, learning rate, tokens/s and MFU against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a compute node
+    import matplotlib.pyplot as plt
+
+    records = read_records(folder)
+    if not records:
+        return None
+
+    def series(key):
+        logged = [r for r in records if r.get(key) is not None]
+        return [r["step"] for r in logged], [r[key] for r in logged]
+
+    figure, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
+    panels = [
+        ("loss", [("loss", "training"), ("val_loss", "validation")]),
+        ("learning rate", [("lr", None)]),
+        ("tokens/s (all devices)", [("tokens_per_s", None)]),
+        ("MFU", [("mfu", None)]),
+    ]
+    for axis, (title, keys) in zip(axes.flat, panels):
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        for key, label in keys:
+            steps, values = series(key)
+            if steps:
+                few = len(steps) < 30 or key == "val_loss"
+                axis.plot(steps, values, label=label, marker="o" if few else None, markersize=3)
+        if not axis.lines:
+            empty = "not measured (MFU needs a GPU of the datasheet)" if title == "MFU" else "not measured"
+            axis.text(0.5, 0.5, empty, ha="center", va="center", transform=axis.transAxes, color="gray")
+        elif len(keys) > 1:
+            axis.legend()
+    axes[0, 1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    axes[1, 0].set_ylim(bottom=0)  # a small dip must not look like a collapse
+    axes[1, 1].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    for axis in axes[1]:
+        axis.set_xlabel("step")
+    figure.suptitle(f"{os.path.basename(os.path.abspath(folder))}: {records[-1]['step']} steps")
+    figure.tight_layout()
+    path = os.path.join(folder, "curves.png")
+    temporary = os.path.join(folder, f"curves.{os.getpid()}.tmp.png")
+    figure.savefig(temporary, dpi=100)
+    plt.close(figure)
+    os.replace(temporary, path)
+    return path
+
+
+def plot_run(folder):
+    """--plot: a run folder's curves.png, while it trains too."""
+    curves = os.path.isfile(os.path.join(folder, "metrics.jsonl")) and plot_curves(folder)
+    if not curves:
+        raise ConfigError(f"--plot={folder} holds no logged steps; give a run folder, <log_dir>/<run_name>")
+    print(f"curves: {curves}")
+    return 0

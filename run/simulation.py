@@ -1,0 +1,195 @@
+"""The dry run: train.py's own training step on fake tensors over a fake process group at the target world
+size, so that a CPU answers "does it fit?" with the real model, wrapping and step; FLOPs per token; and the
+nearest change that fits when it does not."""
+
+import copy
+import dataclasses
+import itertools
+import time
+import types
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from run.launch import device_mesh
+from run.options import gpu_memory_gb, launched_world_size
+from run.run_log import describe_model
+
+
+@dataclasses.dataclass
+class TrainingPath:
+    """What the dry run simulates, as train.py hands it over: its own model, optimizer and step."""
+
+    build_model: Callable  # (model_config, args, device, mesh) -> the model wrapped for training
+    build_optimizer: Callable  # (model, args, fused) -> the optimizer
+    train_step: Callable  # (model, batches, optimizer, accumulation, grad_clip, stop_requests) -> ...
+    decoder_layers: Callable  # model -> its decoder layers
+    flops_per_token: Callable  # (model, model_config, seq_length) -> 6·N + 12·L·H·Q·T
+
+
+# The tracker's categories, in the words of the dry run's report.
+MEMORY_CATEGORIES = {
+    "sharded parameters": ("Sharded Param", "Parameter", "Buffer"),
+    "gathered parameters": ("Unsharded Param", "All Gather"),
+    "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter", "Gradient"),
+    "optimizer state": ("OptState", "Optstate"),
+    "activations": ("Activation", "Inputs"),
+    "temporaries": ("Temp", "Other"),
+}
+
+OFFLOADED = ("sharded parameters", "gradients", "optimizer state")
+
+DDP_ESTIMATE = (
+    "estimated for DDP: FSDP simulated at world size 1 (every rank holds the whole model, as DDP does), plus "
+    "DDP's gradient buckets, 4 bytes a parameter"
+)
+
+OFFLOAD_ESTIMATE = (
+    "estimated for cpu_offload: the simulation without offloading, less the sharded parameters, gradients "
+    "and optimizer state, which offloading keeps in host memory"
+)
+
+SIMULATION_BLIND_SPOTS = (
+    "allocator fragmentation, NCCL buffers and the CUDA context (leave a few GB); CPU SDPA stands in "
+    "for flash attention (both keep the same tensors); blocks run eager, where compiled ones keep "
+    "no more"
+)
+
+
+def simulate_peak_memory(args, model_config, world_size, training):
+    """Peak bytes per GPU by category over one optimizer step, the second of two (the first allocates the
+    optimizer state, and fake DTensors allocate extra once). Two micro-steps stand for any accumulation:
+    with gradients reduce-scattered every micro-step, the third looks like the second."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    accumulation = min(2, args.global_batch_size // (args.batch_size * world_size))
+    simulated = copy.copy(args)
+    simulated.cpu_offload = False  # see report_dry_run: offloading is subtracted, not simulated
+    simulated.compile = False  # inductor does not run on fake tensors; eager keeps at least what it keeps
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        mesh = device_mesh(simulated, "cpu", world_size, args.gpus_per_node)
+        with FakeTensorMode():
+            device = torch.device("cpu")
+            model = training.build_model(model_config, simulated, device, mesh)
+            optimizer = training.build_optimizer(model, args, fused=True)
+            tokens = torch.randint(0, model_config.vocab_size, (args.batch_size, args.seq_length))
+            batches = itertools.repeat((tokens, tokens))
+            training.train_step(model, batches, optimizer, 1, args.grad_clip, [])
+            tracker = FSDPMemTracker(model, optimizer)
+            with tracker:
+                # The tracker takes a second forward of the root for a second iteration; a micro-step is not.
+                hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
+                training.train_step(model, batches, optimizer, accumulation, args.grad_clip, [])
+                hook.remove()
+            snapshot = tracker.get_tracker_snapshot("peak")
+    finally:
+        dist.destroy_process_group()
+    by_kind = {
+        getattr(kind, "value", kind): size
+        for device_snapshot in snapshot.values()
+        for kind, size in device_snapshot.items()
+    }
+    return {name: sum(by_kind.get(kind, 0) for kind in kinds) for name, kinds in MEMORY_CATEGORIES.items()}
+
+
+def peak_gb(args, model_config, world_size, n_params, training):
+    """Peak per GPU in GB by category. DDP's replicas cannot be faked (DDP reads its parameters' data), and
+    CPU tensors on a CPU cannot be told apart from GPU ones: both are estimated from a simulation (see
+    DDP_ESTIMATE and OFFLOAD_ESTIMATE)."""
+    if args.sharding == "ddp":
+        memory = simulate_peak_memory(
+            types.SimpleNamespace(**dict(vars(args), sharding="full")), model_config, 1, training
+        )
+        memory["gradients"] += 4 * n_params
+    else:
+        memory = simulate_peak_memory(args, model_config, world_size, training)
+    if args.cpu_offload:
+        memory.update({name: 0 for name in OFFLOADED})
+    return {name: size / 1e9 for name, size in memory.items()}
+
+
+def hardware_flops_per_token(args, layer, model_config, model_flops):
+    """What the GPU computes per token, recomputation included. model_flops (6·N + 12·L·H·Q·T) is three
+    forwards' worth; of one forward, the output layer is 2·vocab·width and attention 4·L·H·Q·T. The chunked
+    loss recomputes the output layer; full checkpointing every block's forward, selective every
+    ac_every-th block's, op-level every other matmul (attention outputs are kept). A recomputation stops
+    at the last tensor backward needs, so a block's last matmul, the MLP's output projection, is not
+    redone."""
+    layers = model_config.num_hidden_layers
+    output_forward = 2 * model_config.vocab_size * model_config.hidden_size
+    attention_forward = 4 * layers * model_config.hidden_size * args.seq_length
+    active = getattr(model_config, "num_experts_per_tok", 1) / getattr(model_config, "num_local_experts", 1)
+    name, last = [(n, p) for n, p in layer.named_parameters() if p.ndim >= 2][-1]
+    last_matmul = 2 * layers * last.numel() * (active if "experts" in name else 1)
+    redone_forward = model_flops / 3 - output_forward - last_matmul
+    recomputed = {
+        "none": 0,
+        "full": redone_forward,
+        "selective": redone_forward * (layers // args.ac_every) / layers,
+        "op": (redone_forward - attention_forward) / 2,
+    }[args.activation_checkpointing]
+    return model_flops + recomputed + output_forward
+
+
+def changes_that_might_fit(args):
+    """The changes to try, least costly first: full activation checkpointing, then smaller micro-batches
+    with more accumulation (the same global batch), then offloading the model state to host memory."""
+    change = {} if args.activation_checkpointing == "full" else {"activation_checkpointing": "full"}
+    if change:
+        yield dict(change)
+    batch = args.batch_size
+    while batch > 1:
+        batch //= 2
+        change["batch_size"] = batch
+        yield dict(change)
+    if args.sharding != "ddp" and not args.cpu_offload:
+        yield dict(change, cpu_offload=True)
+
+
+def report_dry_run(args, shape, model_config, meta_model, training):
+    """Prints the config, the model, the simulated peak memory per GPU, FLOPs per token and a verdict.
+    Exit status: 0 fits, 1 does not fit, 2 bad input."""
+    gpu_name, gpu_gb = gpu_memory_gb(args.gpu)
+    world_size = launched_world_size(args)
+    n_params = describe_model(args, shape, model_config, meta_model)
+    model_flops = training.flops_per_token(meta_model, model_config, args.seq_length)
+    layer = training.decoder_layers(meta_model)[0]
+    hardware_flops = hardware_flops_per_token(args, layer, model_config, model_flops)
+    print(
+        f"FLOPs per token: {model_flops / 1e9:.4g} G for MFU (6·N + 12·L·H·Q·T), {hardware_flops / 1e9:.4g} "
+        f"G computed with recomputation: at most {model_flops / hardware_flops:.0%} MFU"
+    )
+    started = time.perf_counter()
+    memory = peak_gb(args, model_config, world_size, n_params, training)
+    total = sum(memory.values())
+    print(
+        f"simulated one training step on fake tensors: world size {world_size}, sharding={args.sharding}, "
+        f"{args.mixed_precision}, activation_checkpointing={args.activation_checkpointing}, "
+        f"batch {args.batch_size} x {args.seq_length} ({time.perf_counter() - started:.0f} s)"
+    )
+    for name, gb in memory.items():
+        print(f"  {name:<22} {gb:9.3f} GB")
+    if args.sharding == "ddp":
+        print(f"  {DDP_ESTIMATE}")
+    if args.cpu_offload:
+        print(f"  {OFFLOAD_ESTIMATE}")
+    print(f"not simulated: {SIMULATION_BLIND_SPOTS}")
+    target = f"{gpu_gb:g} GB ({gpu_name})" if gpu_name else f"{gpu_gb:g} GB"
+    print(f"peak memory per GPU (simulated): {total:.1f} GB of {target}")
+    if total <= gpu_gb:
+        print(f"verdict: fits, {gpu_gb - total:.1f} GB to spare")
+        return 0
+    for change in changes_that_might_fit(args):
+        candidate = types.SimpleNamespace(**{**vars(args), **change})
+        peak = sum(peak_gb(candidate, model_config, world_size, n_params, training).values())
+        if peak <= gpu_gb:
+            flags = " ".join(f"--{name}={value}" for name, value in change.items())
+            print(f"verdict: does not fit; fits with {flags} (simulated {peak:.2f} GB)")
+            return 1
+    tried = "full activation checkpointing, batch_size 1, cpu_offload"
+    print(f"verdict: does not fit, and no change tried fits ({tried}): use more GPUs or a smaller model")
+    return 1
