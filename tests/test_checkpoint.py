@@ -32,7 +32,6 @@ def uninterrupted(tmp_path_factory):
     return tmp, {r["step"]: r["loss"] for r in read_metrics(tmp)}
 
 
-@pytest.mark.xdist_group("checkpoint-run")
 def test_sigterm_to_one_rank_checkpoints_and_resume_is_bitwise_exact(uninterrupted, tmp_path):
     losses = uninterrupted[1]
     args = [f"--checkpoint_dir={tmp_path}", *RUN]
@@ -52,7 +51,6 @@ def test_sigterm_to_one_rank_checkpoints_and_resume_is_bitwise_exact(uninterrupt
     assert [resumed[s] for s in range(stopped + 1, 31)] == [losses[s] for s in range(stopped + 1, 31)]
 
 
-@pytest.mark.xdist_group("checkpoint-run")
 def test_one_process_resumes_a_two_process_checkpoint(uninterrupted, resumes):
     two_losses = uninterrupted[1]
     tmp, result = resumes["one process"]
@@ -65,7 +63,6 @@ def test_one_process_resumes_a_two_process_checkpoint(uninterrupted, resumes):
     )
 
 
-@pytest.mark.xdist_group("checkpoint-run")
 def test_killed_rank_is_restarted_by_torchrun_and_resumes(uninterrupted, tmp_path):
     losses = uninterrupted[1]
     args = [f"--checkpoint_dir={tmp_path}", *RUN, "--checkpoint_every=5", "--async_checkpoint=True"]
@@ -248,7 +245,6 @@ def warnings_of(output):
     return {line.split()[2]: line for line in lines}
 
 
-@pytest.mark.xdist_group("checkpoint-run")
 def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint(uninterrupted, resumes):
     tmp, result = resumes["damaged"]
     run_dir, shard = tmp / "exact", tmp / "exact" / "step_26" / "__1_0.distcp"
@@ -263,7 +259,6 @@ def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint
     assert [losses[s] for s in range(21, 31)] == [uninterrupted[1][s] for s in range(21, 31)]
 
 
-@pytest.mark.xdist_group("checkpoint-run")
 @pytest.mark.parametrize("step, message", [(step, message) for step, _, message in DAMAGES[:-1]])
 def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupted, resumes, step, message):
     tmp, result = resumes["damaged"]
@@ -278,7 +273,6 @@ def test_damaged_newest_checkpoint_is_skipped_for_the_previous_one(uninterrupted
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.xdist_group("checkpoint-run")
 def test_no_usable_checkpoint_left_stops_naming_them(resumes):
     tmp, result = resumes["no usable checkpoint"]
     run_dir = tmp / "exact"
@@ -427,7 +421,6 @@ def disk_full_runs(small_disks, tmp_path_factory):
     return {name: (disk, result) for (name, (disk, _)), result in zip(runs.items(), results)}
 
 
-@pytest.mark.xdist_group("disk-full")
 @pytest.mark.parametrize("args, nproc", SAVES)
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(disk_full_runs, args, nproc):
     disk, result = disk_full_runs[tuple(args)]
@@ -439,7 +432,6 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(disk_full_runs, a
     assert sorted(p.name for p in (disk / "full_disk").iterdir() if p.name.startswith("step")) == ["step_2"]
 
 
-@pytest.mark.xdist_group("disk-full")
 def test_disk_full_during_the_export_leaves_no_half_written_model(disk_full_runs):
     disk, result = disk_full_runs["export"]
     assert result.returncode != 0

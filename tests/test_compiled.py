@@ -49,7 +49,6 @@ def bf16_runs(tmp_path_factory):
     return dict(zip(folders, zip(folders.values(), results)))
 
 
-@pytest.mark.xdist_group("bf16")
 @pytest.mark.parametrize("model, checkpointing, nproc, steps, drop", BF16_RUNS)
 def test_compiled_bf16_run_with_checkpointing_learns_and_exports_clean_names(
     bf16_runs, model, checkpointing, nproc, steps, drop

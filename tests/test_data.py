@@ -109,7 +109,6 @@ def text_runs(tmp_path_factory, tokenizer_dir):
     return {name: (folders[name], result) for name, result in zip(runs, results)}
 
 
-@pytest.mark.xdist_group("text-runs")
 def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(text_runs):
     folder, result = text_runs["validated"]
     assert_ran(result)
@@ -123,7 +122,6 @@ def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(text_ru
     assert evaluated[-1]["val_ppl"] == pytest.approx(math.exp(val_losses[-1]), rel=1e-6)
 
 
-@pytest.mark.xdist_group("text-runs")
 def test_stopped_run_on_text_resumes_exactly(tmp_path, tokenizer_dir, text_runs):
     """The data side of an exact resume: the loader continues on the very next batch of the epoch."""
     folder, result = text_runs["whole"]
@@ -191,7 +189,6 @@ def test_token_file_is_prepared_once_and_rebuilt_when_incomplete(tmp_path, token
     assert len(list((tmp_path / "cache").glob("corpus-*/train.bin"))) == 2
 
 
-@pytest.mark.xdist_group("text-runs")
 def test_one_process_with_accumulation_matches_two_processes_on_text(text_runs):
     (two, two_result), (one, one_result) = text_runs["whole"], text_runs["one process"]
     assert_ran(two_result)
@@ -221,7 +218,6 @@ def write_parquet_stream(folder, column):
     return folder
 
 
-@pytest.mark.xdist_group("text-runs")
 def test_streaming_parquet_folder_trains_on_two_processes(text_runs):
     folder, result = text_runs["stream"]
     assert_ran(result)

@@ -131,14 +131,12 @@ def fsdp_llama_losses(llama_runs):
     return [r["loss"] for r in read_metrics(llama_runs["fsdp"][0])]
 
 
-@pytest.mark.xdist_group("llama")
 def test_tiny_llama_learns_with_fsdp(fsdp_llama_losses):
     assert len(fsdp_llama_losses) == 6 and all(math.isfinite(loss) for loss in fsdp_llama_losses)
     assert fsdp_llama_losses[0] == pytest.approx(math.log(512), abs=0.3)
     assert fsdp_llama_losses[-1] < fsdp_llama_losses[0] - 0.2, fsdp_llama_losses
 
 
-@pytest.mark.xdist_group("llama")
 @pytest.mark.parametrize("mode", MODES)
 def test_ddp_and_cpu_offload_compute_the_fsdp_losses(llama_runs, fsdp_llama_losses, mode):
     """Same initial weights (drawn whole, whatever the wrapping), same batches: the same losses."""

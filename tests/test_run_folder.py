@@ -117,7 +117,6 @@ def export_runs(tmp_path_factory):
     return {export: (folders[export], result) for export, result in zip(EXPORTS, results)}
 
 
-@pytest.mark.xdist_group("export")
 @pytest.mark.parametrize("model, ckpt_format", EXPORTS)
 def test_export_from_any_step_and_sample(export_runs, capsys, model, ckpt_format):
     """--export_from writes what the training's own export writes; sample.py generates from either."""

@@ -16,7 +16,6 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.xdist_group("slurm")  # one worker brings the cluster up and runs every job
 # run as if from a login shell, also when the tests themselves run inside a SLURM job
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
 # the smallest training that still exercises FSDP, checkpoints and resume on 4 CPU processes

@@ -42,7 +42,6 @@ def first_steps(log_dir, n):
     return [r["loss"] for r in records], [r["lr"] for r in records]
 
 
-@pytest.mark.xdist_group("train-runs")
 def test_two_process_fsdp_run_learns(runs):
     assert_ran(runs.two)
     assert "world_size=2" in runs.two.stdout
@@ -56,7 +55,6 @@ def test_two_process_fsdp_run_learns(runs):
     assert record["mfu"] is None and record["tokens_per_s"] > 0  # no MFU without a GPU peak
 
 
-@pytest.mark.xdist_group("train-runs")
 def test_one_process_with_accumulation_matches_two_processes(runs):
     """The global batch of a step is the same whatever the world size, so are the losses."""
     assert_ran(runs.two)
@@ -84,7 +82,6 @@ def mode_runs(tmp_path_factory):
     return dict(zip(MODES, zip(results, log_dirs)))
 
 
-@pytest.mark.xdist_group("train-runs")
 @pytest.mark.parametrize("option", MODES)
 def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_runs, option):
     result, log_dir = mode_runs[option]
@@ -175,7 +172,6 @@ def test_config_error_under_torchrun_is_printed_once(train, tmp_path):
     ]
 
 
-@pytest.mark.xdist_group("train-runs")
 def test_plain_run_picks_a_free_port(runs):
     """Without MASTER_PORT a plain `python train.py` finds a free port: the old fixed one may be taken. The
     one-process run of `runs` is such a run, launched while that port was taken."""
