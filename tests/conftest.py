@@ -47,6 +47,31 @@ def pytest_configure(config):
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
+# The files in the order their real runs take longest, longest first. pytest-xdist hands out whole files
+# in this order (run.sh: --no-loadscope-reorder), so that no long file starts last and holds one core alone.
+LONGEST_FIRST = [
+    "test_checkpoint.py",
+    "test_compiled.py",
+    "test_models.py",
+    "test_data.py",
+    "test_run_folder.py",
+    "test_slurm.py",
+    "test_dry_run.py",
+    "test_train.py",
+    "test_benchmark.py",
+    "test_quickstart.py",
+    "test_diagnose.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
+
+
 def pytest_unconfigure(config):
     if hasattr(config, "inductor_cache"):
         shutil.rmtree(config.inductor_cache, ignore_errors=True)
