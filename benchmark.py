@@ -31,9 +31,11 @@ import argparse
 import difflib
 import functools
 import itertools
+import json
 import math
 import mmap
 import os
+import re
 import shutil
 import signal
 import socket
@@ -1310,7 +1312,35 @@ def rounded(value):
 
 
 def write_yaml(path: Path, content: dict):
-    path.write_text(yaml.safe_dump(rounded(content), sort_keys=False, width=120))
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(yaml.safe_dump(rounded(content), sort_keys=False, width=120))
+    os.replace(temporary, path)
+
+
+def node_name() -> str:
+    """This node as SLURM names it (what sbatch --exclude takes); its hostname outside a job."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def failed_nodes(checks: list) -> dict:
+    """{node name: the first failing check naming it}: what slurm_submit.sh leaves out of the job. A check
+    that names no node (a collective, a pair of nodes) blames none."""
+    nodes = {}
+    for c in checks:
+        if c["status"] == "fail":
+            for name in re.findall(r"node\d+ \(([^)]+)\)", f"{c['check']} {c['value']}"):
+                nodes.setdefault(name, f"benchmark: {c['check']}: {c['value']}")
+    return nodes
+
+
+def write_suspects(folder: str, checks: list):
+    """<folder>/benchmark.json: the failed nodes, in the form train.py's guard writes its own suspects."""
+    if nodes := failed_nodes(checks):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        path = Path(folder) / "benchmark.json"
+        temporary = path.with_name(f"benchmark.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({"time": time.time(), "nodes": nodes}))
+        os.replace(temporary, path)
 
 
 # ---------------------------------------------------------------- command line
@@ -1383,6 +1413,10 @@ def argument_parser():
     )
     parser.add_argument("--storage_path", default="checkpoints", help="folder to test (default: checkpoints)")
     parser.add_argument("--report_dir", default="logs", help="where the YAML reports go (default: logs)")
+    parser.add_argument(
+        "--suspects_folder",
+        help="write the nodes that fail a check to <this>/benchmark.json (slurm_submit.sh)",
+    )
     for flag, (kind, text) in SIZE_OPTIONS.items():
         parser.add_argument(flag, type=kind, help=text)
     parser.add_argument(
@@ -1411,6 +1445,7 @@ def parse_args(argv=None):
         "sections": [s for s in SECTIONS if s in sections],
         "storage_path": args.storage_path,
         "report_dir": args.report_dir,
+        "suspects_folder": args.suspects_folder,
         "nic_gbps": args.nic_gbps,
         "min_storage_GBps": args.min_storage_GBps,
         "fail_on_warn": args.fail_on_warn,
@@ -1505,6 +1540,9 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
         return {"nccl": nccl_section, "links": links_section}[section](world, cfg)
     if section == "storage":
         return storage_section(world, cfg)
+    rehearsed = os.environ.get("REHEARSE_BAD_NODES", "").split(",")
+    if section == "cpu" and world.is_node_leader and node_name() in rehearsed:
+        return {"error": "REHEARSE_BAD_NODES names this node: it fails on purpose, to rehearse healing"}
     if section == "gpu" or world.is_node_leader:
         try:
             return {
@@ -1519,7 +1557,7 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
 
 def cluster_report(everyone: list, world: World, job: dict, cfg: dict) -> dict:
     """Rank 0's view from every rank's figures: GPUs by name, per-node sections, aggregates, checks."""
-    label = {r["node_rank"]: f"node{r['node_rank']} ({r['hostname']})" for r in everyone}
+    label = {r["node_rank"]: f"node{r['node_rank']} ({r['node_name']})" for r in everyone}
     leaders = [r for r in everyone if r["rank"] % world.local_size == 0]
     first = everyone[0]
 
@@ -1604,6 +1642,7 @@ def main(argv=None) -> int:
             "rank": world.rank,
             "node_rank": world.node_rank,
             "hostname": socket.gethostname(),
+            "node_name": node_name(),
             "nics_Gbps": nic_rates_Gbps(),
         }
         section_seconds = {}
@@ -1626,12 +1665,14 @@ def main(argv=None) -> int:
         report = cluster_report(everyone, world, job, cfg)
         path = Path(cfg["report_dir"]) / f"benchmark_{job['id']}.yaml"
         if world.is_node_leader:
-            node = f"node{world.node_rank} ({local['hostname']})"
+            node = f"node{world.node_rank} ({local['node_name']})"
             write_yaml(path.with_name(f"{path.stem}_rank{world.rank}.yaml"), node_report(report, node))
         if world.rank == 0:
             write_yaml(path, report)
             print_table(report["checks"])
             print(f"verdict: {report['verdict']} in {job['seconds']:.1f} s; report: {path}")
+            if cfg["suspects_folder"]:
+                write_suspects(cfg["suspects_folder"], report["checks"])
         return 1 if report["verdict"] == "fail" else 0
     finally:
         dist.destroy_process_group()

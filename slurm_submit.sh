@@ -6,7 +6,7 @@
 # The job's shape, in one place. Command-line options override these: sbatch --nodes=4 slurm_submit.sh
 #SBATCH --job-name=fsdp-train
 #SBATCH --nodes=2
-#SBATCH --ntasks-per-node=1           # one torchrun per node; it starts one process per GPU
+# (one torchrun per node is srun's choice below: an #SBATCH --ntasks-per-node would pin --nodes=MIN-MAX to MIN)
 ##SBATCH --gpus-per-node=8            # GPU partitions: delete one '#' (CPU-only partitions: leave it off)
 #SBATCH --exclusive                   # whole nodes: every CPU for the data loaders ...
 #SBATCH --mem=0                       # ... and all of the memory
@@ -32,7 +32,9 @@ CONTINUE_ON_BENCHMARK_FAILURE=${CONTINUE_ON_BENCHMARK_FAILURE:-0} # 1: train eve
 BENCHMARK_ARGS=${BENCHMARK_ARGS:-}            # extra benchmark.py arguments, e.g. "--skip storage"
 NPROC_PER_NODE=${NPROC_PER_NODE:-2}           # processes per node on nodes without GPUs
 REQUIRE_GPUS=${REQUIRE_GPUS:-0}               # 1: fail instead of running on CPU when there is no GPU
-MAX_REQUEUES=${MAX_REQUEUES:-5}               # how many times the job may requeue itself at the time limit
+MAX_REQUEUES=${MAX_REQUEUES:-5}               # how many times the job may requeue itself (time limit, bad node)
+MAX_EXCLUDED_NODES=${MAX_EXCLUDED_NODES:-2}   # nodes the job may leave out as bad, requeueing without each; 0: none
+REHEARSE_BAD_NODES=${REHEARSE_BAD_NODES:-}    # node names (n1,n2): benchmark.py fails them, to rehearse the above
 TORCHRUN_MAX_RESTARTS=${TORCHRUN_MAX_RESTARTS:-0} # >0: torchrun restarts failed workers inside the allocation
 CONTAINER_IMAGE=${CONTAINER_IMAGE:-}          # run in this image (pyxis/enroot, its python) instead of .venv
 VENV=${VENV:-.venv}
@@ -118,6 +120,18 @@ fi
 restarts=${SLURM_RESTART_COUNT:-0}
 device=$([ "$gpus" -gt 0 ] && echo GPUs || echo CPU)
 echo "$(date +%T) $where: SLURM_RESTART_COUNT=$restarts, $nproc processes per node ($device)"
+export REHEARSE_BAD_NODES
+
+# The training options are checked first, on this node, so that a typo costs seconds rather than the
+# benchmarks. The check names the run's log folder, where a failed phase leaves the nodes it blames.
+run_folder=""
+if [ "$BENCHMARK_ONLY" != 1 ]; then
+  one_node=()
+  [ -z "$CONTAINER_IMAGE" ] || one_node=(srun "${srun_args[@]}" --nodes=1 --ntasks=1)
+  checked=$(WORLD_SIZE=$(( nproc * ${SLURM_NNODES:-1} )) "${one_node[@]}" "$py" train.py --check_only \
+            "${train_args[@]}") || { echo "error: not started: train.py refused its options (above)" >&2; exit 2; }
+  run_folder=${checked#checked: log folder }
+fi
 
 # SIGUSR1 for one local worker (a child of this job's torchrun) that catches it: a worker that has not set
 # its handler yet would die of it. One is enough: train.py shares the stop flag with every rank, on every node.
@@ -131,13 +145,25 @@ signal_workers() {
   return 1
 }
 
+# A phase's ranks name the nodes they blame in <run folder>/suspects (train.py's watchdog, benchmark.py).
+hang_blamed_before() {  # $1 seconds ago: a watchdog named the node its rank waits for
+  [ -n "$(find "$run_folder/suspects" -name 'hang_*' ! -newermt "@$(( $(date +%s) - $1 ))" 2>/dev/null)" ]
+}
+
 # Runs one phase on every node. In the background because bash runs a trap only while waiting on a builtin;
-# the loop hands a pending stop to the workers as soon as one of them can catch it.
+# the loop hands a pending stop to the workers as soon as one of them can catch it. A node that froze never
+# lets its srun end: once the other ranks have blamed it and had time to exit, the step is ended (srun ends
+# it with SIGKILL on a second SIGINT).
 launch() {
+  rm -rf "${run_folder:-/nonexistent}/suspects"
   "${launcher[@]}" "$@" &
-  local pid=$!
+  local pid=$! ended=""
   while kill -0 "$pid" 2>/dev/null; do
     if [ "$stop" = requested ] && signal_workers; then stop=sent; fi
+    if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "$ended" ] && [ -n "$run_folder" ] && hang_blamed_before 30; then
+      echo "$(date +%T) a hang blamed a node 30 s ago ($run_folder/suspects) and the step goes on: ending it"
+      kill -INT "$pid"; sleep 0.2; kill -INT "$pid" 2>/dev/null || true; ended=1
+    fi
     sleep 1 & wait $! || true
   done
   wait "$pid"
@@ -152,14 +178,37 @@ requeue() {  # $1: the exit status to report when no requeue is left
   exit 0
 }
 
-report=""
-if [ "$restarts" -gt 0 ]; then
-  echo "requeued run: skipping the benchmarks (they passed in the first run)"
-  report=logs/benchmark_$SLURM_JOB_ID.yaml
-elif [ "$SKIP_BENCHMARK" = 1 ]; then
+# A failed phase that blamed nodes: they are added to <run folder>/excluded_nodes and the job is requeued
+# without them, to resume from its last checkpoint on the others (docs/SLURM.md). A failure that blames no
+# node (bad input, a diverging loss, a full disk) stops the job, as does a node beyond MAX_EXCLUDED_NODES.
+heal() {  # $1: the failed phase's exit status
+  local nodes excluded
+  [ -n "${SLURM_JOB_ID:-}" ] && [ -n "$run_folder" ] && [ "$MAX_EXCLUDED_NODES" -gt 0 ] || exit "$1"
+  nodes=$(python3 -m run.heal "$run_folder" "$MAX_EXCLUDED_NODES") || exit "$1"
+  [ "$restarts" -lt "$MAX_REQUEUES" ] \
+    || { echo "error: stopping: $nodes left out, but all MAX_REQUEUES=$MAX_REQUEUES requeues are used" >&2; exit "$1"; }
+  excluded=$(scontrol show job "$SLURM_JOB_ID" | grep -oP 'ExcNodeList=\K[^ (]+' || true)
+  echo "$(date +%T) leaving out $nodes (why: $run_folder/excluded_nodes); requeueing job $SLURM_JOB_ID" \
+       "(restart $((restarts + 1)) of at most $MAX_REQUEUES) to resume on the other nodes"
+  # A running job's node list cannot change; requeued and held it can, while this script lives on (the TERM
+  # trap) until SLURM's KillWait ends it.
+  scontrol requeuehold "$SLURM_JOB_ID" || die "scontrol requeuehold failed (was the job submitted with --no-requeue?)"
+  for _ in $(seq 20); do
+    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$nodes" 2>/dev/null && break
+    sleep 0.5
+  done
+  scontrol release "$SLURM_JOB_ID"
+  exit 0
+}
+
+report=logs/benchmark_${SLURM_JOB_ID:-}.yaml
+if [ "$SKIP_BENCHMARK" = 1 ]; then
   echo "SKIP_BENCHMARK=1: skipping the benchmarks"
+elif [ "$restarts" -gt 0 ] && grep -Eqs '^verdict: (pass|warn)' "$report"; then
+  echo "requeued run: skipping the benchmarks (they passed in this job's earlier start)"
 else
   echo "$(date +%T) phase 1: benchmark.py ${bench_args[*]}"
+  [ -z "$run_folder" ] || bench_args+=(--suspects_folder="$run_folder/suspects")
   rc=0
   launch benchmark.py "${bench_args[@]}" || rc=$?
   # benchmark.py names it after the job, or after the time outside SLURM
@@ -170,7 +219,7 @@ else
   if [ $rc -ne 0 ] && [ "$CONTINUE_ON_BENCHMARK_FAILURE" != 1 ]; then
     echo "error: benchmark failed (exit $rc), not training: its failing checks are in the output (the job's .out log)" \
          "(CONTINUE_ON_BENCHMARK_FAILURE=1 trains anyway)" >&2
-    exit $rc
+    heal $rc
   fi
   [ $rc -eq 0 ] || echo "benchmark failed (exit $rc); CONTINUE_ON_BENCHMARK_FAILURE=1, so training anyway"
   # the time limit came during the benchmarks: the requeued run goes straight to training
@@ -184,6 +233,7 @@ rc=0
 launch train.py "${train_args[@]}" || rc=$?
 echo "$(date +%T) training exited with status $rc"
 if [ -n "$stop" ] && [ $rc -ne 0 ]; then requeue $rc; fi
+[ $rc -eq 0 ] || heal $rc
 if [ -z "${SLURM_JOB_ID:-}" ] && [ "$gpus" -eq 0 ] && [ $rc -eq 0 ]; then
   echo "That was the CPU quick start. On a GPU cluster: sbatch slurm_submit.sh [train.py arguments] (docs/SLURM.md)."
 fi

@@ -99,6 +99,7 @@ tensorboard: bool = True            # <log_dir>/<run_name>/tensorboard
 wandb: str | None = None            # a W&B project to log to as well; None: off
 plot: str | None = None             # a run folder (<log_dir>/<run_name>): write its curves.png, then exit
 export_from: str | None = None      # a step_N checkpoint: write export_step_N beside it, then exit
+check_only: bool = False            # check the options, print the log folder, exit (slurm_submit.sh)
 dry_run: bool = False               # simulate training steps on fake tensors: peak memory per GPU, FLOPs
 world_size: int | None = None       # dry run: the world size simulated; None: $WORLD_SIZE, else 8
 gpus_per_node: int = 8              # dry run: GPUs per node, for --sharding=hybrid
@@ -108,6 +109,8 @@ hang_minimum_s: float = 300.0       # watchdog: no optimizer step for max(this, 
 hang_factor: float = 10.0           #   time) is a hang: stacks to the run's log folder, one line, exit HUNG
 checkpoint_limit_s: float = 1800.0  # a checkpoint write (or the final export) taking longer is a hang too
 eval_limit_s: float = 900.0         # an evaluation taking longer is a hang too
+exclude_stragglers_after: int = 0   # log windows in a row a node is the straggler before the run stops to
+                                    #   leave it out (slurm_submit.sh requeues without it); 0: warn only
 profile_steps: str | None = None    # A,B: torch.profiler traces steps A to B (as logged) of rank 0
 # fmt: on
 
@@ -121,6 +124,9 @@ def main(argv):
         shape = options.validate(args, resolve_shape, parse_source)
         if args.plot:
             return run_log.plot_run(args.plot)
+        if args.check_only:
+            print(f"checked: log folder {os.path.join(args.log_dir, args.run_name)}")
+            return 0
         if args.export_from:
             export.export_checkpoint(args.export_from, rebuild_model)
             return 0
@@ -152,17 +158,14 @@ def main(argv):
         run_log.write_run_folder(args, log_folder)
         run_log.print_start(args, shape, model_config, meta_model, device, total_steps)
 
-    model = build_model(model_config, args, device, mesh)
-    if args.init_from:
-        load_pretrained(model, args.init_from)
-    else:
-        init_weights(model, model_config.initializer_range, model_config.num_hidden_layers, args.seed)
-    if args.sharding == "ddp":  # after initialisation: DDP's constructor broadcasts rank 0's weights
-        model = torch.nn.parallel.DistributedDataParallel(model)
+    model = init_or_load(build_model(model_config, args, device, mesh), model_config, args)
     optimizer = build_optimizer(model, args, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args, total_steps))
-    layers, model_flops = decoder_layers(model), flops_per_token(meta_model, model_config, args.seq_length)
-    progress = run_log.Progress(args, layers, model_flops, device, total_steps, start_time, log_folder)
+    model_flops = flops_per_token(meta_model, model_config, args.seq_length)
+    layers = decoder_layers(model)
+    progress = run_log.Progress(
+        args, layers, model_flops, device, total_steps, start_time, log_folder, signals.requests
+    )
     if resume_path:
         progress.resume(checkpointer.load(resume_path, model, optimizer, scheduler, batches), resume_path)
 
@@ -665,6 +668,16 @@ def init_rotary_embeddings(model, device):
                 fresh = type(module)(module.config)
             for name, buffer in fresh.named_buffers():
                 setattr(module, name, buffer)
+
+
+def init_or_load(model, model_config, args):
+    """The model's weights: GPT-2's initialisation, or the pretrained ones of --init_from; under DDP, then the
+    wrapper, whose constructor broadcasts rank 0's weights."""
+    if args.init_from:
+        load_pretrained(model, args.init_from)
+    else:
+        init_weights(model, model_config.initializer_range, model_config.num_hidden_layers, args.seed)
+    return torch.nn.parallel.DistributedDataParallel(model) if args.sharding == "ddp" else model
 
 
 def load_pretrained(model, name_or_path):

@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from run.heal import HEARTBEAT_S, SILENT_S, Heartbeats, node_name, write_suspects
 from run.options import profiled_steps
 
 STOPPED_BY_SIGNAL = 75  # exit status after a signal-triggered checkpoint: the launcher requeues
@@ -120,9 +121,10 @@ def generous_pg_timeouts(mesh):
 class Watchdog:
     """A daemon thread that ends a hung rank. When no optimizer step completes within max(hang_minimum_s,
     hang_factor x median step time), it writes every thread's Python stack (and on GPU the flight recorder)
-    to the run's log folder, prints one line and exits with HUNG: no rank waits out a collective's timeout
-    silently. Until a step has been timed (the first compiles) the limit is PG_TIMEOUT_FIRST_STEP; checkpoint
-    writing and evaluation run under their own limits (phase)."""
+    to the run's log folder, names the node its hang waits for (from every rank's heartbeat), prints one
+    line and exits with HUNG: no rank waits out a collective's timeout silently. Until a step has been timed
+    (the first compiles) the limit is PG_TIMEOUT_FIRST_STEP; checkpoint writing and evaluation run under
+    their own limits (phase)."""
 
     def __init__(self, args, folder, rank, device, mesh):
         self.args, self.rank, self.cuda, self.mesh = args, rank, device.type == "cuda", mesh
@@ -131,9 +133,13 @@ class Watchdog:
             "writing a checkpoint": args.checkpoint_limit_s,
             "writing the last checkpoint and model": args.checkpoint_limit_s,
         }
-        self.host = socket.gethostname()
-        self.path = os.path.join(folder, f"stacks_{self.host}_rank{rank}.txt")
-        self.step_times = collections.deque(maxlen=100)
+        self.folder, self.node = folder, node_name()
+        self.path = os.path.join(folder, f"stacks_{self.node}_rank{rank}.txt")
+        self.step_times, self.steps = collections.deque(maxlen=100), 0
+        launch = [f"{time.time():.6f}-{os.getpid()}"]  # rank 0's: names this launch's heartbeats
+        dist.broadcast_object_list(launch, src=0)
+        training = threading.get_ident()
+        self.heartbeats = Heartbeats(folder, rank, dist.get_world_size(), launch[0], training)
         self.last, self.phase_limit, self.phase_name = time.monotonic(), None, None
         threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
 
@@ -141,7 +147,7 @@ class Watchdog:
         now = time.monotonic()
         if timed:
             self.step_times.append(now - self.last)
-        self.last = now
+        self.last, self.steps = now, self.steps + 1
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -168,17 +174,30 @@ class Watchdog:
     def watch(self):
         while True:
             time.sleep(0.5)
+            self.heartbeats.beat(self.steps)
             limit, waited = self.limit(), time.monotonic() - self.last
             if waited > limit:
                 self.report(waited, limit)
 
+    def suspects(self):
+        """The nodes this hang waits for. A rank that stopped is known once its heartbeat is SILENT_S old:
+        until then this rank keeps beating and looking."""
+        deadline = time.time() + SILENT_S + 2 * HEARTBEAT_S
+        while not (suspects := self.heartbeats.suspects()) and time.time() < deadline:
+            time.sleep(1.0)
+            self.heartbeats.beat(self.steps)
+        write_suspects(self.folder, f"hang_rank{self.rank}", suspects)
+        return suspects
+
     def report(self, waited, limit):
         during = f"{self.phase_name}, " if self.phase_limit is not None else ""
         line = (
-            f"no step for {waited:.0f} s on {self.host} rank {self.rank}; stacks in {self.path} "
+            f"no step for {waited:.0f} s on {self.node} rank {self.rank}; stacks in {self.path} "
             f"({during}limit {limit:.0f} s)"
         )
         try:  # whatever fails here, the rank must still end
+            if suspects := self.suspects():
+                line += "; waiting for " + ", ".join(f"{node} ({why})" for node, why in suspects.items())
             with open(self.path, "w") as file:
                 file.write(line + "\n\n")
                 file.flush()
@@ -270,10 +289,11 @@ def find_stragglers(names, timings, margin=STRAGGLER_MARGIN):
 
 
 class Stragglers:
-    """Rank 0's view of the stragglers, log window after log window."""
+    """Rank 0's view of the stragglers, log window after log window. exclude(node, why) is called for a node
+    one of whose ranks has been named exclude_after windows in a row (0: never)."""
 
-    def __init__(self, names):
-        self.names, self.streaks = names, {}
+    def __init__(self, names, exclude_after=0, exclude=None):
+        self.names, self.streaks, self.exclude_after, self.exclude = names, {}, exclude_after, exclude
 
     def log_window(self, timings, steps):
         """The record's fields for one log window of steps timed steps (seconds per step); warns of a rank
@@ -283,14 +303,18 @@ class Stragglers:
         medians, named = find_stragglers(self.names, [[value / steps for value in rank] for rank in timings])
         self.streaks = {name: self.streaks.get(name, 0) + 1 for name in named}
         for name, streak in self.streaks.items():
+            node, figures = name.rpartition(":")[0], describe_straggler(named[name], medians)
             if streak == STRAGGLER_LOG_WINDOWS:
-                host = name.rpartition(":")[0]
-                print(
-                    f"warning: {name} has been a straggler for {streak} log windows in a row "
-                    f"({describe_straggler(named[name], medians)}); if its node stays slow, stop the job "
-                    f"and resubmit without it: sbatch --exclude={host} slurm_submit.sh ...",
-                    flush=True,
+                then = f"the job leaves its node out after {self.exclude_after} in a row"
+                if not self.exclude_after:
+                    then = "if its node stays slow, stop the job and resubmit without it: "
+                    then += f"sbatch --exclude={node} slurm_submit.sh ..."
+                warning = (
+                    f"warning: {name} has been a straggler for {streak} log windows in a row ({figures})"
                 )
+                print(f"{warning}; {then}", flush=True)
+            if streak == self.exclude_after:
+                self.exclude(node, f"straggler: {name} {streak} log windows in a row, {figures}")
         return {**medians, "stragglers": named}
 
 

@@ -27,7 +27,7 @@ POSITIVE = ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_
             "max_bad_steps", "ac_every", "gpus_per_node", "eval_batches", "hang_minimum_s", "hang_factor",
             "checkpoint_limit_s", "eval_limit_s")  # fmt: skip
 
-NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last")
+NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last", "exclude_stragglers_after")
 
 # Options that change how a run is operated but not what it computes: left out of the default run_name.
 # The run's length is among them, so that a larger max_steps continues the same run.
@@ -36,7 +36,7 @@ OPERATIONAL = {
     "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
     "prepare_only", "eval_every", "eval_batches", "world_size", "gpus_per_node", "gpu", "hang_minimum_s",
     "hang_factor", "checkpoint_limit_s", "eval_limit_s", "profile_steps", "max_steps", "num_epochs", "wandb",
-    "plot", "export_from",
+    "plot", "export_from", "check_only", "exclude_stragglers_after",
 }  # fmt: skip
 
 

@@ -6,7 +6,6 @@ import contextlib
 import json
 import math
 import os
-import socket
 import time
 
 import torch
@@ -15,6 +14,7 @@ import yaml
 
 from run.checkpoints import newest_checkpoint
 from run.guard import RankTimes, Stragglers, describe_straggler
+from run.heal import node_name, write_suspects
 from run.options import ConfigError, fail
 
 
@@ -51,8 +51,9 @@ class Progress:
     last line, and speed over the timed steps among them (not the first, compiling, step; never evaluation
     or checkpoint writing). Also stops the run after max_bad_steps non-finite steps in a row."""
 
-    def __init__(self, args, layers, flops_per_token, device, total_steps, start_time, folder):
-        """layers: the model's decoder layers, whose forward is this rank's compute time."""
+    def __init__(self, args, layers, flops_per_token, device, total_steps, start_time, folder, stop_requests):
+        """layers: the model's decoder layers, whose forward is this rank's compute time. stop_requests: the
+        signals' list, to which a node's exclusion as a straggler adds a stop (a checkpoint, then exit)."""
         self.args, self.device, self.total_steps, self.start_time = args, device, total_steps, start_time
         self.world_size, self.master = dist.get_world_size(), dist.get_rank() == 0
         self.step, self.tokens_seen, self.elapsed_before, self.bad_steps = 0, 0, 0.0, 0
@@ -61,8 +62,14 @@ class Progress:
         self.peak_flops = peak_flops(device)
         self.rank_times = RankTimes(layers, device, args.compile)
         names = [None] * self.world_size
-        dist.all_gather_object(names, f"{socket.gethostname()}:{os.environ['LOCAL_RANK']}")
-        self.stragglers = Stragglers(names)
+        dist.all_gather_object(names, f"{node_name()}:{os.environ['LOCAL_RANK']}")
+
+        def exclude(node, why):  # rank 0's: slurm_submit.sh excludes the node once this launch has stopped
+            write_suspects(folder, "straggler", {node: why})
+            stop_requests.append(0)
+            print(f"stopping to leave {node} out ({why}): checkpointing at the end of this step", flush=True)
+
+        self.stragglers = Stragglers(names, args.exclude_stragglers_after, exclude)
         self.run_log = RunLog(args, folder) if self.master else None
         self.first_step_end, self.step_seconds = None, 0.0
         self.log_window = self.new_log_window()

@@ -31,6 +31,9 @@ TINY = [
     "--log_every=1",
 ]
 
+# A stopped rank, named by its last heartbeat (computing while the others wait) or by its silence after it
+BLAMED = r"rank {rank} (was computing \(step \d+\) while the others waited|sent no heartbeat for \d+ s)"
+
 
 def pytest_configure(config):
     """Once per run of the suite, before pytest-xdist starts its workers, which inherit the environment:

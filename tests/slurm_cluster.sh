@@ -3,7 +3,7 @@
 # without a cluster (docs/SLURM.md). Debian 12 / slurm 22.05, as root, works without systemd or cgroups.
 #   bash tests/slurm_cluster.sh up     # installs the packages if needed; controller + NNODES slurmd (n1, n2, ...)
 #   bash tests/slurm_cluster.sh down   # stops the daemons it started (packages and config stay)
-# Both "nodes" are this machine: each claims all its CPUs, and nothing limits a job's CPUs or memory.
+# All "nodes" are this machine: each claims all its CPUs, and nothing limits a job's CPUs or memory.
 set -euo pipefail
 NNODES=${NNODES:-2}
 HOSTS_TAG="# slurm-ci-nodes"

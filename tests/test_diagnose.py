@@ -17,10 +17,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, TINY, read_metrics, torchrun_command, worker_pids
+from conftest import BLAMED, REPO, TINY, read_metrics, torchrun_command, worker_pids
 
 import train as train_script
-from run import guard
+from run import guard, heal
 
 HOST = socket.gethostname()
 
@@ -46,6 +46,22 @@ def test_a_rank_named_three_windows_in_a_row_is_warned_once(capsys):
     warnings = capsys.readouterr().out.splitlines()
     assert len(warnings) == 1 and "n2:0 has been a straggler for 3 log windows in a row" in warnings[0]
     assert "sbatch --exclude=n2 slurm_submit.sh" in warnings[0]
+
+
+def test_a_node_named_the_straggler_n_windows_in_a_row_is_excluded_once(capsys):
+    excluded = []
+    stragglers = guard.Stragglers(
+        ["n1:0", "n2:0"], exclude_after=4, exclude=lambda *why: excluded.append(why)
+    )
+    slow = [[10.0, 0.1], [20.0, 0.1]]
+    for _ in range(3):
+        stragglers.log_window(slow, steps=10)
+    assert excluded == [] and "the job leaves its node out after 4 in a row" in capsys.readouterr().out
+    for _ in range(3):
+        stragglers.log_window(slow, steps=10)
+    assert excluded == [
+        ("n2", "straggler: n2:0 4 log windows in a row, compute 2.000 s/step vs median 1.500")
+    ]
 
 
 def test_flight_recorder_is_on_and_users_settings_win(tmp_path):
@@ -182,10 +198,17 @@ def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
     assert f"sbatch --exclude={HOST} slurm_submit.sh" in log
 
     stack_file = run / f"stacks_{HOST}_rank0.txt"
-    report = re.search(r"^no step for (\d+) s on (\S+) rank 0; stacks in (\S+) \(limit (\d+) s\)$", log, re.M)
+    line = r"^no step for (\d+) s on (\S+) rank 0; stacks in (\S+) \(limit (\d+) s\)"
+    line += r"; waiting for (\S+) \((.*)\)$"
+    report = re.search(line, log, re.M)
     assert report and report[2] == HOST and report[3] == str(stack_file), log[-3000:]
+    assert report[5] == HOST and re.fullmatch(BLAMED.format(rank=1), report[6]), report[0]
     limit = int(report[4])
-    assert 6 <= limit <= int(report[1]) and reported_at - stopped_at < limit + 5
+    # the line waits for the stopped rank's heartbeat to fall silent, which names it
+    assert (
+        6 <= limit <= int(report[1])
+        and reported_at - stopped_at < limit + heal.SILENT_S + 2 * heal.HEARTBEAT_S
+    )
     assert process.returncode != 0
     # The thread running main() waits in a collective.
     threads = stack_file.read_text().split("\n\n")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import BLAMED, launch
 
 REPO = Path(__file__).resolve().parents[1]
 # run as if from a login shell, also when the tests themselves run inside a SLURM job
@@ -46,7 +47,11 @@ def cluster():
     with open("/tmp/slurm_cluster.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         up = subprocess.run(
-            ["bash", "tests/slurm_cluster.sh", "up"], cwd=REPO, capture_output=True, text=True
+            ["bash", "tests/slurm_cluster.sh", "up"],
+            cwd=REPO,
+            env={**os.environ, "NNODES": "3"},  # two for a job, a third for one that leaves a bad node out
+            capture_output=True,
+            text=True,
         )
         if up.returncode != 0:
             message = f"could not bring up the SLURM cluster: {(up.stderr or up.stdout).strip()[-2000:]}"
@@ -210,13 +215,13 @@ def test_time_limit_checkpoints_requeues_and_resumes(time_limit_job):
     step = int(resumed.group(1))
     assert 0 < step < MAX_STEPS and list((tmp_path / "ckpt").glob(f"*/step_{step}")), output
     assert "SLURM_RESTART_COUNT=1" in output and f"requeueing job {job_id}" in output, output
-    assert "requeued run: skipping the benchmarks" in output, output
+    assert "SKIP_BENCHMARK=1: skipping the benchmarks" in output and "phase 1" not in output, output
     assert metrics(tmp_path / "logs")[-1]["step"] == MAX_STEPS
 
 
 def test_impossible_node_count_is_rejected_at_submission(cluster):
     out = subprocess.run(
-        ["sbatch", "--nodes=3", "slurm_submit.sh"], cwd=REPO, env=ENV, capture_output=True, text=True
+        ["sbatch", "--nodes=4", "slurm_submit.sh"], cwd=REPO, env=ENV, capture_output=True, text=True
     )
     # slurmctld words the refusal by whichever limit it checks first (node count or processors)
     assert out.returncode != 0 and "Batch job submission failed" in out.stderr, out.stderr
@@ -235,4 +240,126 @@ def test_failed_benchmark_stops_the_job_before_training(cluster, tmp_path):
     fields, output = wait(job_id, tmp_path)
     assert fields["JobState"] == "FAILED" and fields["NumNodes"] == "1", output
     assert f"job {job_id} on n1:" in output and "benchmark failed" in output, output
-    assert "phase 2" not in output and not (tmp_path / "logs").exists(), output
+    # the options' check made the log folder, as it checks it can write there: nothing more
+    assert "phase 2" not in output and not list((tmp_path / "logs").iterdir()), output
+    assert "leaving out" not in output and fields["Restarts"] == "0", output  # bad input blames no node
+
+
+def test_a_training_option_error_stops_the_job_in_one_line_before_the_benchmarks(cluster, tmp_path):
+    job_id = submit(
+        "slurm_submit.sh", tmp_path, "--batch_sise=4", f"--log_dir={tmp_path}/logs", sbatch=["--nodes=1"]
+    )
+    fields, output = wait(job_id, tmp_path)
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", output
+    assert output.count("error: unknown option --batch_sise; did you mean --batch_size?") == 1, output
+    assert "phase 1" not in output and "leaving out" not in output and fields["Restarts"] == "0", output
+
+
+def excluded_nodes(log_dir):
+    """{node: why} of <log_dir>/<run_name>/excluded_nodes, each line node, time and why."""
+    lines = [
+        line.split("\t")
+        for path in log_dir.glob("*/excluded_nodes")
+        for line in path.read_text().splitlines()
+    ]
+    return {node: why for node, _, why in lines}
+
+
+def test_a_node_failing_the_benchmark_is_left_out_before_any_training_step(cluster, tmp_path):
+    job_id = submit(
+        "slurm_submit.sh",
+        tmp_path,
+        *TINY,
+        "--global_batch_size=6",  # world size 3, then 2
+        "--max_steps=3",
+        f"--log_dir={tmp_path}/logs",
+        f"--checkpoint_dir={tmp_path}/ckpt",
+        sbatch=["--nodes=2-3"],
+        NPROC_PER_NODE="1",
+        REHEARSE_BAD_NODES="n3",
+        BENCHMARK_ARGS=f"--only=cpu --report_dir={tmp_path}",
+    )
+    fields, output = wait(job_id, tmp_path)
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", output
+    first, requeued = output.split(f"requeueing job {job_id}")
+    assert "on n1 n2 n3:" in first and "phase 2" not in first and "leaving out n3" in first, output
+    assert f"job {job_id} on n1 n2:" in requeued and "verdict: pass" in requeued, output
+    assert list(excluded_nodes(tmp_path / "logs")) == ["n3"], output
+    assert re.match(
+        r"benchmark: cpu on node\d \(n3\): REHEARSE_BAD_NODES", excluded_nodes(tmp_path / "logs")["n3"]
+    )
+    assert [r["step"] for r in metrics(tmp_path / "logs") if "loss" in r] == [1, 2, 3], output
+
+
+def test_more_bad_nodes_than_the_cap_stop_the_job_in_one_line(cluster, tmp_path):
+    job_id = submit(
+        "slurm_submit.sh",
+        tmp_path,
+        f"--log_dir={tmp_path}/logs",
+        sbatch=["--nodes=3"],
+        NPROC_PER_NODE="1",
+        REHEARSE_BAD_NODES="n2,n3",
+        MAX_EXCLUDED_NODES="1",
+        BENCHMARK_ARGS=f"--only=cpu --report_dir={tmp_path}",
+    )
+    fields, output = wait(job_id, tmp_path)
+    assert fields["JobState"] == "FAILED" and fields["Restarts"] == "0", output
+    line = re.findall(
+        r"^error: stopping: 2 bad nodes, more than MAX_EXCLUDED_NODES=1: n2 \(.*\); n3 \(.*$", output, re.M
+    )
+    assert len(line) == 1 and "phase 2" not in output, output
+    assert list(excluded_nodes(tmp_path / "logs")) == ["n2", "n3"], output
+
+
+def node_of(pid):
+    with open(f"/proc/{pid}/environ", "rb") as file:
+        return dict(v.split(b"=", 1) for v in file.read().split(b"\0") if b"=" in v).get(b"SLURMD_NODENAME")
+
+
+# with slurm_submit.sh's CPU run's learning rate and warm-up, which its arguments do not override
+HEALED = [*TINY, "--global_batch_size=6", "--max_steps=10", "--checkpoint_every=2", "--eval_every=0",
+          "--lr=3e-3", "--warmup_steps=4"]  # fmt: skip
+
+
+def test_a_frozen_node_is_left_out_and_the_run_finishes_on_the_others_with_the_same_losses(cluster, tmp_path):
+    """n3's rank stops (SIGSTOP) after step 4 and never comes back: the other ranks' watchdogs name n3 by its
+    silent heartbeat, the job script ends the step, excludes n3, requeues; the job resumes on n1 and n2
+    (world size 3 -> 2, the same global batch by more accumulation) and its losses are the 3-node run's."""
+    reference = tmp_path / "reference"
+    out = launch("train.py", [*HEALED, f"--log_dir={reference}", f"--checkpoint_dir={reference}"], nproc=3)
+    assert out.returncode == 0, out.stderr[-3000:]
+    job_id = submit(
+        "slurm_submit.sh",
+        tmp_path,
+        *HEALED,
+        "--hang_minimum_s=10",
+        "--checkpoint_limit_s=30",  # the freeze may come while a checkpoint is written
+        f"--log_dir={tmp_path}/logs",
+        f"--checkpoint_dir={tmp_path}/ckpt",
+        sbatch=["--nodes=2-3"],
+        NPROC_PER_NODE="1",
+        SKIP_BENCHMARK="1",
+    )
+    frozen = []
+
+    def freeze_n3(fields):
+        if not frozen and fields["Restarts"] == "0" and len(metrics(tmp_path / "logs")) >= 4:
+            frozen.extend(pid for pid in training_processes(job_id) if node_of(pid) == b"n3")
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+
+    fields, output = wait(job_id, tmp_path, timeout=400, on_poll=freeze_n3)
+    assert len(frozen) == 1, output
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", output
+    why = excluded_nodes(tmp_path / "logs")
+    assert list(why) == ["n3"] and re.fullmatch(BLAMED.format(rank=r"\d"), why["n3"]), why
+    assert re.search(
+        r"no step for \d+ s on n[12] rank \d.*; waiting for n3 \(" + BLAMED.format(rank=r"\d"), output
+    )
+    first, requeued = output.split(f"requeueing job {job_id}")
+    assert "on n1 n2 n3:" in first and f"job {job_id} on n1 n2:" in requeued and "world_size=2" in requeued
+    resumed = int(re.search(r"^resumed from .*step_(\d+) at step", requeued, re.M).group(1))
+    expected = {r["step"]: r["loss"] for r in metrics(reference) if "loss" in r}
+    after = {r["step"]: r["loss"] for r in metrics(tmp_path / "logs") if "loss" in r and r["step"] > resumed}
+    assert sorted(after) == list(range(resumed + 1, 11)), output
+    assert after == pytest.approx({step: expected[step] for step in after}, rel=1e-5)
