@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import sys
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from run.options import fail
+from run.options import REWINDS, fail
 
 MANIFEST = "manifest.json"
 
@@ -203,14 +204,20 @@ class Checkpointer:
             except OSError as error:
                 problem = save_error(error)
             else:
-                kept = self.args.keep_last
-                for old in checkpoint_steps(self.run_dir)[:-kept] if kept else []:
-                    shutil.rmtree(os.path.join(self.run_dir, f"step_{old}"), ignore_errors=True)
+                self.prune(int(final.rsplit("_", 1)[1]))
                 print(f"checkpoint saved: {final}", flush=True)
         verdict = [problem]
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0]:
             self.abandon(temporary, verdict[0])
+
+    def prune(self, step):
+        """Keeps the newest keep_last checkpoints: the one just written and those before it. A later step
+        is no older checkpoint of this line (one that could not be resumed), and is never removed here."""
+        if self.args.keep_last:
+            older = [old for old in checkpoint_steps(self.run_dir) if old < step]
+            for old in older[: max(0, len(older) - self.args.keep_last + 1)]:
+                shutil.rmtree(os.path.join(self.run_dir, f"step_{old}"), ignore_errors=True)
 
     def abandon(self, temporary, problem):
         """Every rank comes here together: removes the folder of the failed save and exits, rank 0 naming
@@ -239,7 +246,9 @@ class Checkpointer:
     def choose(self, resume_from):
         """The checkpoint to resume from: resume_from, else the newest of the run; one that is incomplete
         or corrupt is skipped for the one before it. None for a fresh run; exit 2 if none is usable."""
-        run_dir = os.path.dirname(os.path.normpath(resume_from)) or "." if resume_from else self.run_dir
+        if resume_from:
+            resume_from = self.rewind(os.path.normpath(resume_from))
+        run_dir = os.path.dirname(resume_from) or "." if resume_from else self.run_dir
         steps = reversed(checkpoint_steps(run_dir))
         candidates = [os.path.normpath(os.path.join(run_dir, f"step_{step}")) for step in steps]
         if resume_from:
@@ -262,6 +271,48 @@ class Checkpointer:
             )
             fail(message) if self.rank == 0 else sys.exit(2)
         return None
+
+    def rewind(self, resume_from):
+        """--resume_from=<this run>/step_K with later checkpoints: the run is rewound to step K. Its later
+        checkpoints, the old future, are set aside (moved into <run>/rewound_<time>/, never removed, never
+        resumed from) and the rewind recorded in REWINDS, so that the run keeps one line of checkpoints. A
+        launch of the same command once that line has gone on (a requeued job) continues it: returns None,
+        the newest checkpoint of the run, instead of rewinding again. A checkpoint of another run is only
+        read (a branch into this run)."""
+        run_dir = os.path.dirname(resume_from) or "."
+        step = re.fullmatch(r"step_(\d+)", os.path.basename(resume_from))
+        if not step or os.path.abspath(run_dir) != os.path.abspath(self.run_dir):
+            return resume_from
+        decision = [self.rewind_run(resume_from, int(step.group(1))) if self.rank == 0 else None]
+        dist.broadcast_object_list(decision, src=0)  # one rank decides and moves; every rank then sees it
+        return decision[0]
+
+    def rewind_run(self, resume_from, step):
+        record = os.path.join(self.run_dir, REWINDS)
+        try:
+            with open(record) as file:
+                rewinds = json.load(file)
+        except (OSError, ValueError):
+            rewinds = []
+        if any(isinstance(rewind, dict) and rewind.get("to") == step for rewind in rewinds):
+            print(f"{resume_from}: this run was rewound to it before; continuing from its newest checkpoint")
+            return None
+        later = [f"step_{s}" for s in checkpoint_steps(self.run_dir) if s > step]
+        if later:
+            aside = os.path.join(self.run_dir, f"rewound_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+            os.makedirs(aside)
+            for name in later:
+                os.rename(os.path.join(self.run_dir, name), os.path.join(aside, name))
+            rewinds.append(
+                {"to": step, "time": time.time(), "set_aside": os.path.basename(aside), "steps": later}
+            )
+            with open(record + ".tmp", "w") as file:
+                json.dump(rewinds, file, indent=1)
+            os.replace(record + ".tmp", record)
+            names = ", ".join(later)
+            print(f"rewinding run {self.run_dir} to step {step}: its later checkpoints ({names}) are set "
+                  f"aside in {aside}", flush=True)  # fmt: skip
+        return resume_from
 
     def load(self, path, model, optimizer, scheduler, batches):
         """Restores a checkpoint written by save(); returns its trainer state."""

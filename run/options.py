@@ -29,6 +29,9 @@ POSITIVE = ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_
 
 NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last", "exclude_stragglers_after")
 
+# A run folder's record of its rewinds (run/checkpoints.py): a --resume_from it names may be gone, pruned
+REWINDS = "rewinds.json"
+
 # Options that change how a run is operated but not what it computes: left out of the default run_name.
 # The run's length is among them, so that a larger max_steps continues the same run.
 OPERATIONAL = {
@@ -188,7 +191,9 @@ def check_ranges(args, shape):
 
 def launched_world_size(args):
     """torchrun's world size; a dry run's is --world_size, else $WORLD_SIZE, else 8."""
-    return args.world_size or int(os.environ.get("WORLD_SIZE", 8 if args.dry_run else 1))
+    if args.world_size is not None:  # 0 too: refused by validate, never read as "unset"
+        return args.world_size
+    return int(os.environ.get("WORLD_SIZE", 8 if args.dry_run else 1))
 
 
 def check_combinations(args, shape):
@@ -224,7 +229,9 @@ def check_combinations(args, shape):
         )
     if args.cpu_offload and args.sharding == "ddp":
         raise ConfigError("--cpu_offload=True needs FSDP; it does not work with --sharding=ddp")
-    if args.resume_from and not os.path.isfile(os.path.join(args.resume_from, "trainer_state.json")):
+    resume_from = args.resume_from
+    rewound = resume_from and os.path.isfile(os.path.join(os.path.dirname(resume_from), REWINDS))
+    if resume_from and not rewound and not os.path.isfile(os.path.join(resume_from, "trainer_state.json")):
         raise ConfigError(
             f"--resume_from={args.resume_from} is not a complete checkpoint folder (no trainer_state.json)"
         )

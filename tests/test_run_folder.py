@@ -1,6 +1,7 @@
 """Living with a run: its folder, trackers, curves, relaunches, export and sampling, signals, offline hubs."""
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -227,3 +228,49 @@ def test_an_unreachable_hub_fails_in_seconds(tmp_path, offline):
     assert "Retry" not in result.stderr, result.stderr[-2000:]
     assert "cannot load tokenizer 'gpt2'" in result.stderr, result.stderr[-2000:]
     assert time.monotonic() - started < 30
+
+
+def launch_losses(run, *launches):
+    """{step: loss} of each launch: the metrics.jsonl lines it appended (launches are callables)."""
+    results = []
+    for launch_once in launches:
+        before = (
+            len((run / "metrics.jsonl").read_text().splitlines()) if (run / "metrics.jsonl").exists() else 0
+        )
+        out = launch_once()
+        lines = (run / "metrics.jsonl").read_text().splitlines()[before:]
+        records = [json.loads(line) for line in lines]
+        results.append((out, {r["step"]: r["loss"] for r in records if "loss" in r}))
+    return results
+
+
+def test_a_rewound_run_sets_its_later_checkpoints_aside_and_every_relaunch_continues_the_rewound_line(
+    tmp_path, train
+):
+    """A constant learning rate after warm-up, so that a launch's length does not change its losses."""
+    run = tmp_path / "rewind"
+    base = [*TINY, "--run_name=rewind", "--seq_length=32", "--batch_size=4", "--global_batch_size=4",
+            "--checkpoint_every=10", "--lr=1e-3", "--min_lr=1e-3", "--warmup_steps=2",
+            "--tensorboard=False"]  # fmt: skip
+    rewind = [f"--resume_from={run}/step_10", "--keep_last=1"]
+    (first, original), (rewound, again), (relaunched, continued), (plain, _) = launch_losses(
+        run,
+        lambda: train(tmp_path, *base, "--max_steps=30", nproc=0),
+        lambda: train(tmp_path, *base, *rewind, "--max_steps=15", nproc=0),  # then stopped, say
+        lambda: train(tmp_path, *base, *rewind, "--max_steps=20", nproc=0),  # the same command, requeued
+        lambda: train(tmp_path, *base, "--max_steps=21", nproc=0),
+    )
+    set_aside = re.search(
+        rf"^rewinding run {run} to step 10: its later checkpoints \(step_20, step_30\) are set aside "
+        r"in (\S+)$",
+        rewound.stdout,
+        re.M,
+    )
+    assert set_aside and sorted(p.name for p in Path(set_aside[1]).iterdir()) == ["step_20", "step_30"]
+    assert f"checkpoint saved: {run}/step_15" in rewound.stdout
+    assert again == {step: original[step] for step in range(11, 16)}  # the same data, bitwise
+    assert f"{run}/step_10: this run was rewound to it before; continuing" in relaunched.stdout
+    assert f"resumed from {run}/step_15 at step 15" in relaunched.stdout
+    assert continued == {step: original[step] for step in range(16, 21)}
+    assert f"resumed from {run}/step_20 at step 20" in plain.stdout
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_20", "step_21"]  # keep_last=3, one line

@@ -119,6 +119,7 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
         (["--eval_every=-1"], {}, "--eval_every must not be negative (0: never), got -1"),
         (["--val_fraction=1.5"], {}, "--val_fraction must lie between 0 and 1, got 1.5"),
         (["--keep_last=-1"], {}, "--keep_last must not be negative, got -1"),
+        (["--dry_run", "--world_size=0"], {}, "--world_size must be positive, got 0"),
         (["--init_from=./no_such_model"], {}, "--init_from=./no_such_model: no such folder"),
         (["--init_from=/no/such/model"], {}, "--init_from=/no/such/model: no such folder"),
         (["--model=tiny", "--log_dir=/proc/logs"], {}, "--log_dir=/proc/logs is not writable"),
