@@ -4,6 +4,7 @@ rank, stragglers, and a profiler on demand. Every file goes to the run's log fol
 import collections
 import contextlib
 import faulthandler
+import glob
 import os
 import signal
 import socket
@@ -50,6 +51,7 @@ class StopSignals:
         os.set_blocking(write_end, False)
         signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
         self.catch(signal.SIGTERM, signal.SIGINT)
+        os.register_at_fork(after_in_child=default_signals)
         threading.Thread(target=self.watch, args=(read_end,), daemon=True).start()
 
     @staticmethod
@@ -80,7 +82,26 @@ class StopSignals:
             why = "a second stop signal" if self.training else "before training started"
             message = f"{name}, {why}: exiting at once with status {128 + number}, writing nothing"
             print(message, file=sys.stderr, flush=True)
+            end_children(number)
             os._exit(128 + number)
+
+
+def default_signals():
+    """In a forked child (the tokenizer's workers): the stop signals end it again, as they would have before
+    StopSignals caught them for the parent, whose thread and pipe the child does not have."""
+    signal.set_wakeup_fd(-1)
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_DFL)
+
+
+def end_children(number):
+    """Passes a stop signal on to this process's children before it exits, so that none is left running
+    (and holding the launcher's output open)."""
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+        with contextlib.suppress(OSError), open(path) as file:
+            for child in file.read().split():
+                with contextlib.suppress(OSError):
+                    os.kill(int(child), number)
 
 
 def flight_recorder_env(environ, folder):

@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -226,3 +227,28 @@ def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
     }
     assert steps == {"train step 2", "train step 3"}
     assert f"profile: steps 2 to 3 traced in {trace_file}" in log
+
+
+def test_a_stop_signal_before_training_ends_the_processes_the_rank_forked():
+    """As when SIGTERM comes while the tokenizer's workers (forked by datasets) run: the rank exits at once
+    and its children end too, rather than running on, ignoring SIGTERM with the handler they inherited."""
+    script = (
+        "import multiprocessing, time\n"
+        "from run import guard\n"
+        "guard.StopSignals()\n"
+        "worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(120,))\n"
+        "worker.start()\n"
+        "print(worker.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    worker = int(process.stdout.readline())
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = os.path.exists(f"/proc/{worker}")
+    if alive:
+        os.kill(worker, signal.SIGKILL)
+    assert not alive, "the forked worker outlived its rank"
