@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 import types
@@ -25,7 +26,7 @@ CHOICES = {
 
 POSITIVE = ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every", "checkpoint_every",
             "max_bad_steps", "ac_every", "gpus_per_node", "eval_batches", "hang_minimum_s", "hang_factor",
-            "checkpoint_limit_s", "eval_limit_s")  # fmt: skip
+            "checkpoint_limit_s", "eval_limit_s", "lr")  # fmt: skip
 
 NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last", "exclude_stragglers_after")
 
@@ -77,10 +78,16 @@ def parse_args(argv, constants):
     args = {name: default for name, (default, _) in constants.items()}
     for path in [arg.removeprefix("--config=") for arg in argv if arg.startswith("--config=")]:
         args.update(read_config_file(path, hints))
-    for arg in (arg for arg in argv if not arg.startswith("--config=")):
+    flags = [arg for arg in argv if not arg.startswith("--config=")]
+    for index, arg in enumerate(flags):
         name, has_value, text = arg.removeprefix("--").partition("=")
         if not arg.startswith("--") or not name:
             raise ConfigError(f"unexpected argument {arg!r}: options are written --name=value")
+        following = flags[index + 1] if index + 1 < len(flags) else "--"
+        if not has_value and not following.startswith("--") and following.lower() not in BOOLEANS:
+            raise ConfigError(
+                f"{arg} {following}: write --{name}={following} (options are written --name=value)"
+            )
         if name not in args:
             raise ConfigError(f"unknown option --{name}{suggestion(name, args, '--')}")
         args[name] = convert(name, text if has_value else "true", hints[name], "--")
@@ -185,6 +192,16 @@ def check_ranges(args, shape):
         problems.append(f"--eval_every must not be negative (0: never), got {args.eval_every}")
     if args.max_steps == 0 or args.max_steps < -1:
         problems.append(f"--max_steps must be positive, or -1 for num_epochs passes, got {args.max_steps}")
+    if not 0 <= args.seed < 2**32:  # numpy's seeds
+        problems.append(f"--seed must lie between 0 and 2**32 - 1, got {args.seed}")
+    if (
+        args.run_name is not None
+        and not re.fullmatch(r"[\w.+-]+", args.run_name)
+        or args.run_name in (".", "..")
+    ):
+        problems.append(
+            f"--run_name={args.run_name!r} must be a folder name: letters, digits, '.', '_', '+', '-'"
+        )
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -235,7 +252,10 @@ def check_combinations(args, shape):
         raise ConfigError(
             f"--resume_from={args.resume_from} is not a complete checkpoint folder (no trainer_state.json)"
         )
-    profiled_steps(args.profile_steps)
+    profiled = profiled_steps(args.profile_steps)
+    if profiled and 0 < args.max_steps < profiled[1] and os.environ.get("RANK", "0") == "0":
+        print(f"warning: --profile_steps={args.profile_steps} ends after --max_steps={args.max_steps}: the "
+              f"trace stops with the run", file=sys.stderr)  # fmt: skip
 
 
 def profiled_steps(text):
@@ -243,7 +263,8 @@ def profiled_steps(text):
     if text is None:
         return None
     first, _, last = text.partition(",")
-    if not (first.strip().isdigit() and last.strip().isdigit() and 1 <= int(first) <= int(last)):
+    digits = re.compile(r"\s*[0-9]+\s*")  # ASCII: int() also reads other scripts' digits
+    if not (digits.fullmatch(first) and digits.fullmatch(last) and 1 <= int(first) <= int(last)):
         raise ConfigError(
             f"--profile_steps={text}: expected two step numbers A,B with 1 <= A <= B, "
             f"e.g. --profile_steps=5,8"
@@ -289,8 +310,13 @@ def gpu_memory_gb(gpu):
     """--gpu as (its name, its memory in GB): a name of benchmark.py's datasheet, or a number of GB."""
     from benchmark import datasheet
 
+    memory = None
     with contextlib.suppress(ValueError):
-        return None, float(gpu)
+        memory = float(gpu)
+    if memory is not None and not 0 < memory < math.inf:
+        raise ConfigError(f"--gpu={gpu}: a GPU's memory in GB must be a positive number, e.g. --gpu=80")
+    if memory is not None:
+        return None, memory
     sheet = datasheet(gpu)
     if sheet is None:
         raise ConfigError(

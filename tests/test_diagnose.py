@@ -124,6 +124,12 @@ def test_bad_profile_steps_is_one_line(value, capsys):
     )
 
 
+def test_profile_steps_past_the_run_warn_and_the_run_goes_on(capsys):
+    assert train_script.main(["--profile_steps=5,900", "--max_steps=10", "--model=tiny", "--check_only"]) == 0
+    warning = "warning: --profile_steps=5,900 ends after --max_steps=10: the trace stops with the run"
+    assert capsys.readouterr().err.strip() == warning
+
+
 def throttle(pid, stop_event, stopped=0.06, running=0.02):
     """cpulimit's way of slowing a process: stopped for a share of the time, in slices shorter than one
     layer's forward."""
