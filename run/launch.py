@@ -62,7 +62,9 @@ def make_run_folders(args):
 
 def lock_is_stale(holder, age):
     """The holder is gone: the same SLURM job, requeued; or it ran on this host and its pid is dead;
-    or, on another host, its heartbeat stopped."""
+    or, on another host, its heartbeat stopped. An unreadable lock was never a live trainer's."""
+    if holder.get("unreadable"):
+        return True
     if holder.get("job_id") and holder["job_id"] == os.environ.get("SLURM_JOB_ID"):
         return True
     if holder.get("host") == socket.gethostname():
@@ -82,8 +84,16 @@ def take_run_lock(run_dir):
     path = os.path.join(run_dir, RUN_LOCK)
     mine = f"{path}.{socket.gethostname()}.{os.getpid()}"
     me = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID")}
-    with open(mine, "w") as file:
-        json.dump(me, file)
+    try:
+        with open(mine, "w") as file:
+            json.dump(me, file)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.remove(mine)
+        raise ConfigError(
+            f"cannot write the run's lock {path} ({error.strerror}); free space there or set another "
+            f"--checkpoint_dir"
+        ) from None
     try:
         while True:
             try:
@@ -97,8 +107,8 @@ def take_run_lock(run_dir):
                 age = time.time() - os.path.getmtime(path)
             except FileNotFoundError:  # released meanwhile
                 continue
-            except (OSError, ValueError):
-                holder, age = {}, 0.0
+            except (OSError, ValueError):  # a lock is linked whole: an unreadable one has no live holder
+                holder, age = {"unreadable": True}, 0.0
             if not lock_is_stale(holder, age):
                 job = f", SLURM job {holder['job_id']}" if holder.get("job_id") else ""
                 raise ConfigError(
@@ -111,8 +121,10 @@ def take_run_lock(run_dir):
             except FileNotFoundError:
                 continue
             os.remove(mine + ".stale")
-            gone = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}"
-            print(f"taking over the lock of run {run_dir} from {gone}, which is gone", flush=True)
+            gone = f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, which is gone"
+            if holder.get("unreadable"):
+                gone = "no one: it is empty or unreadable (a lock is written whole before it is taken)"
+            print(f"taking over the lock of run {run_dir} from {gone}", flush=True)
     finally:
         os.remove(mine)
 

@@ -285,8 +285,9 @@ def writable_folder(option, path):
     later, after hours. Checked on every node, as one may lack it."""
     try:
         os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
+        with tempfile.TemporaryFile(dir=path) as file:  # bytes, not an empty file: a full disk has inodes
+            file.write(bytes(4096))
+            file.flush()
     except OSError as error:
         message = f"{option}={path} is not writable ({error.strerror}); point it at a writable folder"
         raise ConfigError(message, per_node=True) from None

@@ -1,3 +1,4 @@
+import contextlib
 import functools
 import json
 import os
@@ -19,6 +20,10 @@ from conftest import (
     together,
     torchrun_command,
 )
+
+from run import launch as run_launch
+from run import options
+from run.options import ConfigError
 
 # Sequences a quarter of TINY's: these runs are about checkpoints, not learning, and their steps cost half.
 RUN = [*TINY, "--seq_length=32", "--max_steps=30", "--run_name=exact", "--checkpoint_every=10"]
@@ -441,3 +446,30 @@ def test_disk_full_during_the_export_leaves_no_half_written_model(disk_full_runs
     assert not (disk / "full_disk" / "final_model").exists()
     assert not (disk / "full_disk" / "final_model.tmp").exists()
     assert (disk / "full_disk" / "step_2" / "manifest.json").exists()
+
+
+def test_an_empty_lock_is_taken_over(tmp_path, capsys):
+    (tmp_path / "trainer.lock").write_text("")  # a lock is linked whole, so no live trainer left it so
+    lock = run_launch.take_run_lock(str(tmp_path))
+    assert json.loads((tmp_path / "trainer.lock").read_text())["pid"] == os.getpid()
+    assert (
+        f"taking over the lock of run {tmp_path} from no one: it is empty or unreadable"
+        in capsys.readouterr().out
+    )
+    run_launch.release_run_lock(lock)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_full_disk_is_one_line_before_training_and_leaves_no_lock_file(small_disks):
+    disk = small_disks(1)
+    with contextlib.suppress(OSError), open(disk / "filler", "wb") as file:
+        while True:
+            file.write(bytes(65536))
+            file.flush()
+    with pytest.raises(ConfigError, match=r"is not writable \(No space left on device\)"):
+        options.writable_folder("--checkpoint_dir", str(disk))
+    with pytest.raises(
+        ConfigError, match=rf"cannot write the run's lock {disk}/trainer.lock \(No space left"
+    ):
+        run_launch.take_run_lock(str(disk))
+    assert [p.name for p in disk.iterdir()] == ["filler"]
