@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import os
+import sys
 import time
 
 import torch
@@ -273,12 +274,16 @@ def write_run_folder(args, folder):
 
 def read_records(folder):
     """The last record of each logged step of a run folder's metrics.jsonl (a resumed run logs some again)."""
-    records = {}
-    with open(os.path.join(folder, "metrics.jsonl")) as file:
-        for line in file:
-            if line.endswith("\n"):  # a line being written as --plot reads is left for the next plot
+    records, path = {}, os.path.join(folder, "metrics.jsonl")
+    with open(path) as file:
+        for number, line in enumerate(file, 1):
+            if not line.endswith("\n"):  # a line being written as --plot reads is left for the next plot
+                continue
+            try:
                 record = json.loads(line)
                 records[record["step"]] = record
+            except (ValueError, TypeError, KeyError):  # cut short, as a full disk leaves a line
+                print(f"warning: {path} line {number} is not a record; skipped", file=sys.stderr)
     return [records[step] for step in sorted(records)]
 
 

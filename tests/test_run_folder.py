@@ -274,3 +274,14 @@ def test_a_rewound_run_sets_its_later_checkpoints_aside_and_every_relaunch_conti
     assert continued == {step: original[step] for step in range(16, 21)}
     assert f"resumed from {run}/step_20 at step 20" in plain.stdout
     assert sorted(p.name for p in run.glob("step_*")) == ["step_20", "step_21"]  # keep_last=3, one line
+
+
+def test_a_broken_line_in_metrics_is_skipped_with_a_warning(tmp_path, capsys):
+    """A full log disk can cut a line short; --plot, and the plot at the end of every later launch, go on."""
+    records = [{"step": step, "loss": 5.0 - step / 10, "lr": 1e-3} for step in (1, 2, 3)]
+    lines = [json.dumps(records[0]), '{"step": 2, "lo', json.dumps(records[2]), json.dumps(records[1])]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    assert train_script.main([f"--plot={tmp_path}"]) == 0
+    out, err = capsys.readouterr()
+    assert err.strip() == f"warning: {tmp_path}/metrics.jsonl line 2 is not a record; skipped"
+    assert out.strip() == f"curves: {tmp_path}/curves.png" and (tmp_path / "curves.png").stat().st_size > 0
