@@ -1505,6 +1505,8 @@ def validate(cfg: dict, args, parser):
                 f"--memory_MiB {cfg['memory_MiB']}: 3 arrays need more than half of the "
                 f"{available_memory_bytes() / GB:.1f} GB available; lower it"
             )
+    if cfg["sections"] == ["gpu"] and not torch.cuda.is_available():
+        parser.error("--only=gpu on a machine without a GPU would check nothing; run it on a GPU node")
     if cfg["nccl_max_MiB"] is None:
         cfg["nccl_max_MiB"] = NCCL_MAX_MiB[("cuda" if torch.cuda.is_available() else "cpu", cfg["quick"])]
 

@@ -605,3 +605,12 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, capsys, arguments, mes
     stderr = capsys.readouterr().err
     assert stderr.count("\n") == 1 and stderr.startswith("benchmark.py: error: ")
     assert message.format(tmp=tmp_path) in stderr
+
+
+@pytest.mark.skipif(benchmark.torch.cuda.is_available(), reason="the case of a machine without a GPU")
+def test_only_gpu_without_a_gpu_is_refused_not_passed(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_status:
+        benchmark.parse_args(["--only", "gpu", "--report_dir", str(tmp_path)])
+    assert exit_status.value.code == 2
+    nothing = "--only=gpu on a machine without a GPU would check nothing; run it on a GPU node"
+    assert capsys.readouterr().err == f"benchmark.py: error: {nothing}\n"
