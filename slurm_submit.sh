@@ -193,12 +193,16 @@ heal() {  # $1: the failed phase's exit status
   # A running job's node list cannot change; requeued and held it can, while this script lives on (the TERM
   # trap) until SLURM's KillWait ends it.
   scontrol requeuehold "$SLURM_JOB_ID" || die "scontrol requeuehold failed (was the job submitted with --no-requeue?)"
-  for _ in $(seq 20); do
-    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$nodes" 2>/dev/null && break
+  # the requeue completes in the background: update and release once the job is pending again
+  for _ in $(seq 40); do
+    if [ "$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)" = PENDING ] \
+       && scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$nodes" \
+       && scontrol release "$SLURM_JOB_ID"; then
+      exit 0
+    fi
     sleep 0.5
   done
-  scontrol release "$SLURM_JOB_ID"
-  exit 0
+  die "job $SLURM_JOB_ID is requeued but held: scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$nodes; scontrol release $SLURM_JOB_ID"
 }
 
 report=logs/benchmark_${SLURM_JOB_ID:-}.yaml
