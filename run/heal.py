@@ -131,7 +131,7 @@ def exclude(run_folder, limit):
         with open(path) as file:
             rows = [line.rstrip("\n").split("\t") for line in file]
         excluded = {row[0]: row[-1] for row in rows if len(row) == 3}
-    new = {node: why for node, why in suspects.items() if node not in excluded}
+    new = {node: why for node, why in sorted(suspects.items()) if node not in excluded}
     if not new:
         sys.exit(1)
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

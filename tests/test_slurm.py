@@ -283,7 +283,8 @@ def test_a_node_failing_the_benchmark_is_left_out_before_any_training_step(clust
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", output
     first, requeued = output.split(f"requeueing job {job_id}")
     assert "on n1 n2 n3:" in first and "phase 2" not in first and "leaving out n3" in first, output
-    assert f"job {job_id} on n1 n2:" in requeued and "verdict: pass" in requeued, output
+    # the two nodes share this machine's cores: CPU figures may differ by more than 10%, which only warns
+    assert f"job {job_id} on n1 n2:" in requeued and re.search(r"verdict: (pass|warn)", requeued), output
     assert list(excluded_nodes(tmp_path / "logs")) == ["n3"], output
     assert re.match(
         r"benchmark: cpu on node\d \(n3\): REHEARSE_BAD_NODES", excluded_nodes(tmp_path / "logs")["n3"]
