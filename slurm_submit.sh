@@ -190,19 +190,14 @@ heal() {  # $1: the failed phase's exit status
   excluded=$(scontrol show job "$SLURM_JOB_ID" | grep -oP 'ExcNodeList=\K[^ (]+' || true)
   echo "$(date +%T) leaving out $nodes (why: $run_folder/excluded_nodes); requeueing job $SLURM_JOB_ID" \
        "(restart $((restarts + 1)) of at most $MAX_REQUEUES) to resume on the other nodes"
-  # A running job's node list cannot change; requeued and held it can, while this script lives on (the TERM
-  # trap) until SLURM's KillWait ends it.
-  scontrol requeuehold "$SLURM_JOB_ID" || die "scontrol requeuehold failed (was the job submitted with --no-requeue?)"
-  # the requeue completes in the background: update and release once the job is pending again
-  for _ in $(seq 40); do
-    if [ "$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>/dev/null)" = PENDING ] \
-       && scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$nodes" \
-       && scontrol release "$SLURM_JOB_ID"; then
-      exit 0
-    fi
-    sleep 0.5
+  # A running job's node list cannot change. Once requeued it can: the job completes (and may start again)
+  # only when this script has ended, which the TERM trap delays until SLURM's KillWait.
+  scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue failed (was the job submitted with --no-requeue?)"
+  for _ in $(seq 10); do
+    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$nodes" && exit 0
+    sleep 0.3
   done
-  die "job $SLURM_JOB_ID is requeued but held: scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$nodes; scontrol release $SLURM_JOB_ID"
+  die "job $SLURM_JOB_ID is requeued with $nodes still in reach: scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$nodes"
 }
 
 report=logs/benchmark_${SLURM_JOB_ID:-}.yaml
