@@ -53,12 +53,12 @@ def pytest_configure(config):
 # The files in the order their real runs take longest, longest first. pytest-xdist hands out whole files
 # in this order (run.sh: --no-loadscope-reorder), so that no long file starts last and holds one core alone.
 LONGEST_FIRST = [
+    "test_slurm.py",  # mostly waiting on its jobs: the other worker's runs fill the cores meanwhile
     "test_checkpoint.py",
     "test_compiled.py",
     "test_models.py",
     "test_data.py",
     "test_run_folder.py",
-    "test_slurm.py",
     "test_dry_run.py",
     "test_train.py",
     "test_benchmark.py",
