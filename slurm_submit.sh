@@ -96,8 +96,7 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
   # --cpus-per-task: srun (22.05+) no longer inherits it, and one CPU would starve the data loaders.
   # --kill-on-bad-exit=0 (some clusters default to 1): every rank exits 75 after a checkpoint, and the
   # first node to finish must not kill the others while they still write theirs.
-  srun_args=(--nodes="$SLURM_NNODES" --ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE"
-             --kill-on-bad-exit=0)
+  srun_args=(--ntasks-per-node=1 --cpus-per-task="$SLURM_CPUS_ON_NODE" --kill-on-bad-exit=0)
   if [ -n "$CONTAINER_IMAGE" ]; then
     py=python
     srun_args+=(--container-image="$CONTAINER_IMAGE" --container-mounts="$PWD:$PWD" --container-workdir="$PWD")
@@ -106,15 +105,10 @@ if [ -n "${SLURM_JOB_ID:-}" ]; then
     bash setup.sh \
       || die "no usable virtual environment in ${py%/bin/python}: run 'bash setup.sh' on the login node, then resubmit"
   fi
-  # the port comes from the job id so that two jobs sharing a node do not collide
-  launcher=(srun "${srun_args[@]}" "$py" -m torch.distributed.run --nnodes="$SLURM_NNODES" --nproc_per_node="$nproc"
-            --rdzv_backend=c10d --rdzv_endpoint="${hosts[0]}:$((20000 + SLURM_JOB_ID % 20000))"
-            --rdzv_id="$SLURM_JOB_ID" --max-restarts="$TORCHRUN_MAX_RESTARTS")
   where="job $SLURM_JOB_ID on ${hosts[*]}"
 else
   bash setup.sh
-  launcher=("$py" -m torch.distributed.run --standalone --nproc_per_node="$nproc"
-            --max-restarts="$TORCHRUN_MAX_RESTARTS")
+  hosts=("$(hostname)")
   where="$(hostname) (no SLURM job)"
 fi
 restarts=${SLURM_RESTART_COUNT:-0}
@@ -122,15 +116,37 @@ device=$([ "$gpus" -gt 0 ] && echo GPUs || echo CPU)
 echo "$(date +%T) $where: SLURM_RESTART_COUNT=$restarts, $nproc processes per node ($device)"
 export REHEARSE_BAD_NODES
 
+# Nodes this job left out before (heal() below) stay out even when SLURM allocates them again, as it may
+# when the requeue's ExcNodeList came too late: the job's comment keeps them (squeue -o %k shows it).
+nodes=("${hosts[@]}")
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  left_out=$(squeue -h -j "$SLURM_JOB_ID" -o %k | grep -oP '(^| )left_out=\K\S+' || true)
+  mapfile -t nodes < <(printf '%s\n' "${hosts[@]}" | grep -vxFf <(tr , '\n' <<< "$left_out") || true)
+  [ "${#nodes[@]}" -gt 0 ] || die "this job left out every node it has now: ${hosts[*]} (left_out=$left_out)"
+  [ "${#nodes[@]}" -eq "${#hosts[@]}" ] \
+    || echo "$(date +%T) running on ${nodes[*]} alone: this job left out $left_out before (its comment: squeue -j $SLURM_JOB_ID -o %k)"
+fi
+
 # The training options are checked first, on this node, so that a typo costs seconds rather than the
 # benchmarks. The check names the run's log folder, where a failed phase leaves the nodes it blames.
 run_folder=""
 if [ "$BENCHMARK_ONLY" != 1 ]; then
   one_node=()
-  [ -z "$CONTAINER_IMAGE" ] || one_node=(srun "${srun_args[@]}" --nodes=1 --ntasks=1)
-  checked=$(WORLD_SIZE=$(( nproc * ${SLURM_NNODES:-1} )) "${one_node[@]}" "$py" train.py --check_only \
+  [ -z "$CONTAINER_IMAGE" ] || one_node=(srun "${srun_args[@]}" --nodes=1 --ntasks=1 --nodelist="${nodes[0]}")
+  checked=$(WORLD_SIZE=$(( nproc * ${#nodes[@]} )) "${one_node[@]}" "$py" train.py --check_only \
             "${train_args[@]}") || { echo "error: not started: train.py refused its options (above)" >&2; exit 2; }
   run_folder=${checked#checked: log folder }
+fi
+
+if [ -n "${SLURM_JOB_ID:-}" ]; then
+  # the port comes from the job id so that two jobs sharing a node do not collide
+  launcher=(srun "${srun_args[@]}" --nodes="${#nodes[@]}" --nodelist="$(IFS=,; echo "${nodes[*]}")"
+            "$py" -m torch.distributed.run --nnodes="${#nodes[@]}" --nproc_per_node="$nproc"
+            --rdzv_backend=c10d --rdzv_endpoint="${nodes[0]}:$((20000 + SLURM_JOB_ID % 20000))"
+            --rdzv_id="$SLURM_JOB_ID" --max-restarts="$TORCHRUN_MAX_RESTARTS")
+else
+  launcher=("$py" -m torch.distributed.run --standalone --nproc_per_node="$nproc"
+            --max-restarts="$TORCHRUN_MAX_RESTARTS")
 fi
 
 # SIGUSR1 for one local worker (a child of this job's torchrun) that catches it: a worker that has not set
@@ -188,16 +204,20 @@ heal() {  # $1: the failed phase's exit status
   [ "$restarts" -lt "$MAX_REQUEUES" ] \
     || { echo "error: stopping: $nodes left out, but all MAX_REQUEUES=$MAX_REQUEUES requeues are used" >&2; exit "$1"; }
   excluded=$(scontrol show job "$SLURM_JOB_ID" | grep -oP 'ExcNodeList=\K[^ (]+' || true)
+  comment=$(squeue -h -j "$SLURM_JOB_ID" -o %k | sed -E 's/^\(null\)$//; s/ ?left_out=\S+//')
   echo "$(date +%T) leaving out $nodes (why: $run_folder/excluded_nodes); requeueing job $SLURM_JOB_ID" \
        "(restart $((restarts + 1)) of at most $MAX_REQUEUES) to resume on the other nodes"
-  # A running job's node list cannot change. Once requeued it can: the job completes (and may start again)
-  # only when this script has ended, which the TERM trap delays until SLURM's KillWait.
+  scontrol update JobId="$SLURM_JOB_ID" Comment="${comment:+$comment }left_out=$nodes" \
+    || die "scontrol update JobId=$SLURM_JOB_ID Comment=... failed: the job is not requeued"
+  # A running job's node list cannot change. Once requeued it can, until it starts again; SLURM may refuse
+  # while the job completes, and then the comment above keeps the next start off these nodes.
   scontrol requeue "$SLURM_JOB_ID" || die "scontrol requeue failed (was the job submitted with --no-requeue?)"
   for _ in $(seq 10); do
-    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$nodes" && exit 0
+    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="${excluded:+$excluded,}$nodes" 2>/dev/null && exit 0
     sleep 0.3
   done
-  die "job $SLURM_JOB_ID is requeued with $nodes still in reach: scontrol update JobId=$SLURM_JOB_ID ExcNodeList=$nodes"
+  echo "$(date +%T) SLURM refused ExcNodeList=$nodes for now: the next start may be given them, and runs on its other nodes"
+  exit 0
 }
 
 report=logs/benchmark_${SLURM_JOB_ID:-}.yaml

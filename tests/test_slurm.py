@@ -1,6 +1,6 @@
-"""The job scripts on a real SLURM: a controller and two slurmd ("nodes" n1, n2) on this one host, started
-by tests/slurm_cluster.sh (needs root; installs Debian's slurm packages when missing). The nodes have no
-GPU, so every job runs 2 CPU processes per node: world size 4 over 2 nodes."""
+"""The job scripts on a real SLURM: a controller and three slurmd ("nodes" n1, n2, n3) on this one host,
+started by tests/slurm_cluster.sh (needs root; installs Debian's slurm packages when missing). The nodes
+have no GPU, so jobs run CPU processes: 2 per node on two nodes, or 1 per node where a node is left out."""
 
 import fcntl
 import json
@@ -265,6 +265,10 @@ def excluded_nodes(log_dir):
     return {node: why for node, _, why in lines}
 
 
+# The requeued job starts without n3, or, when SLURM allocates it again, runs on the other two
+ON_N1_N2 = r"job {job_id} on n1 n2:|running on n1 n2 alone: this job left out n3 before"
+
+
 def test_a_node_failing_the_benchmark_is_left_out_before_any_training_step(cluster, tmp_path):
     job_id = submit(
         "slurm_submit.sh",
@@ -284,12 +288,34 @@ def test_a_node_failing_the_benchmark_is_left_out_before_any_training_step(clust
     first, requeued = output.split(f"requeueing job {job_id}")
     assert "on n1 n2 n3:" in first and "phase 2" not in first and "leaving out n3" in first, output
     # the two nodes share this machine's cores: CPU figures may differ by more than 10%, which only warns
-    assert f"job {job_id} on n1 n2:" in requeued and re.search(r"verdict: (pass|warn)", requeued), output
+    assert re.search(ON_N1_N2.format(job_id=job_id), requeued), output
+    assert re.search(r"verdict: (pass|warn)", requeued), output
     assert list(excluded_nodes(tmp_path / "logs")) == ["n3"], output
     assert re.match(
         r"benchmark: cpu on node\d \(n3\): REHEARSE_BAD_NODES", excluded_nodes(tmp_path / "logs")["n3"]
     )
     assert [r["step"] for r in metrics(tmp_path / "logs") if "loss" in r] == [1, 2, 3], output
+
+
+def test_a_node_left_out_before_stays_out_when_slurm_allocates_it_again(cluster, tmp_path):
+    """SLURM may refuse a requeued job's ExcNodeList while the job completes, and start it on n3 again; the
+    job's comment, which slurm_submit.sh set before the requeue, keeps the run on the other two nodes."""
+    job_id = submit(
+        "slurm_submit.sh",
+        tmp_path,
+        *TINY,
+        "--max_steps=2",
+        f"--log_dir={tmp_path}/logs",
+        f"--checkpoint_dir={tmp_path}/ckpt",
+        sbatch=["--nodes=3", "--comment=left_out=n3"],
+        NPROC_PER_NODE="1",
+        SKIP_BENCHMARK="1",
+    )
+    fields, output = wait(job_id, tmp_path)
+    assert fields["JobState"] == "COMPLETED", output
+    assert f"job {job_id} on n1 n2 n3:" in output and re.search(ON_N1_N2.format(job_id=job_id), output), output
+    assert "world_size=2" in output, output
+    assert [r["step"] for r in metrics(tmp_path / "logs") if "loss" in r] == [1, 2], output
 
 
 def test_more_bad_nodes_than_the_cap_stop_the_job_in_one_line(cluster, tmp_path):
@@ -358,7 +384,8 @@ def test_a_frozen_node_is_left_out_and_the_run_finishes_on_the_others_with_the_s
         r"no step for \d+ s on n[12] rank \d.*; waiting for n3 \(" + BLAMED.format(rank=r"\d"), output
     )
     first, requeued = output.split(f"requeueing job {job_id}")
-    assert "on n1 n2 n3:" in first and f"job {job_id} on n1 n2:" in requeued and "world_size=2" in requeued
+    assert "on n1 n2 n3:" in first and re.search(ON_N1_N2.format(job_id=job_id), requeued), output
+    assert "world_size=2" in requeued, output
     resumed = int(re.search(r"^resumed from .*step_(\d+) at step", requeued, re.M).group(1))
     expected = {r["step"]: r["loss"] for r in metrics(reference) if "loss" in r}
     after = {r["step"]: r["loss"] for r in metrics(tmp_path / "logs") if "loss" in r and r["step"] > resumed}
