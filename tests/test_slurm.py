@@ -313,8 +313,8 @@ def test_a_node_left_out_before_stays_out_when_slurm_allocates_it_again(cluster,
     )
     fields, output = wait(job_id, tmp_path)
     assert fields["JobState"] == "COMPLETED", output
-    assert f"job {job_id} on n1 n2 n3:" in output and re.search(ON_N1_N2.format(job_id=job_id), output), output
-    assert "world_size=2" in output, output
+    assert f"job {job_id} on n1 n2 n3:" in output, output
+    assert re.search(ON_N1_N2.format(job_id=job_id), output) and "world_size=2" in output, output
     assert [r["step"] for r in metrics(tmp_path / "logs") if "loss" in r] == [1, 2], output
 
 
