@@ -16,7 +16,7 @@ import torch
 
 import train
 from run.export import export_checkpoint
-from run.options import ConfigError, convert, fail
+from run.options import ConfigError, convert, fail, print_help
 
 # --help prints these options verbatim from this file; fmt: off keeps their comments aligned
 # fmt: off
@@ -61,21 +61,35 @@ def parse_args(argv):
 def generate(cfg, folder):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    except (OSError, ValueError) as error:  # a broken config.json is a ValueError, missing weights an OSError
+        raise ConfigError(
+            f"--init_from={folder}: cannot load the model ({str(error).strip().splitlines()[0]}); it needs "
+            f"the config.json and model.safetensors that training exports"
+        ) from None
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
     if tokenizer is not None:
         ids = tokenizer(cfg.prompt, return_tensors="pt").input_ids
     else:
+        # the default prompt: the token that ends a document, which every document of the data follows
+        tokens = cfg.prompt.split() or [str(model.config.eos_token_id or 0)]
         try:
-            ids = torch.tensor([[int(token) for token in cfg.prompt.split()]])
+            ids = torch.tensor([[int(token) for token in tokens]])
         except ValueError:
             raise ConfigError(
                 f"{folder} has no tokenizer (dummy data): give --prompt as token ids "
                 f"separated by spaces, e.g. --prompt='1 2 3'"
             ) from None
-        if ids.numel() == 0 or ids.max() >= model.config.vocab_size:
+        if ids.min() < 0 or ids.max() >= model.config.vocab_size:
             raise ConfigError(f"--prompt needs token ids between 0 and {model.config.vocab_size - 1}")
+    positions = getattr(model.config, "max_position_embeddings", None)
+    if positions and ids.shape[1] + cfg.max_new_tokens > positions:
+        raise ConfigError(
+            f"--max_new_tokens={cfg.max_new_tokens} after a prompt of {ids.shape[1]} tokens passes the "
+            f"model's {positions} positions; use at most {max(0, positions - ids.shape[1])}"
+        )
     torch.manual_seed(cfg.seed)
     sampling = (
         dict(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k)
@@ -96,11 +110,8 @@ def generate(cfg, folder):
 
 
 def main(argv):
-    if {"-h", "--help"} & set(argv):  # the help is the docstring and the options block, with its comments
-        source = open(__file__).read()
-        options = source[source.index("init_from: str") : source.index("\n# fmt: on")]
-        print(f"{__doc__}\nOptions (--name=value):\n{options}")
-        return 0
+    if {"-h", "--help"} & set(argv):
+        return print_help(sys.modules[__name__], "init_from: str")
     try:
         cfg = parse_args(argv)
         if os.path.isfile(os.path.join(cfg.init_from, "config.json")):

@@ -266,8 +266,15 @@ def load_tokenizer(args):
     try:
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     except (OSError, ValueError) as error:
+        reason = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+        if os.path.isdir(args.tokenizer):
+            reason = reason if os.listdir(args.tokenizer) else "the folder is empty"
+            raise ConfigError(
+                f"--tokenizer={args.tokenizer}: cannot load the tokenizer in this folder ({reason}); it "
+                f"needs what a tokenizer's save_pretrained writes (tokenizer.json, tokenizer_config.json)"
+            ) from None
         raise ConfigError(
-            f"cannot load tokenizer {args.tokenizer!r} ({str(error).splitlines()[0]}); "
+            f"cannot load tokenizer {args.tokenizer!r} ({reason}); "
             f"`python train.py --prepare_only --data={args.data} --tokenizer={args.tokenizer}` "
             f"on a machine with internet caches it"
         ) from None

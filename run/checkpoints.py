@@ -39,6 +39,12 @@ def newest_checkpoint(run_dir):
     return os.path.join(run_dir, f"step_{steps[-1]}") if steps else None
 
 
+def checkpoint_step(path):
+    """The step a verified checkpoint was written at, whatever its folder is called now."""
+    with open(os.path.join(path, "trainer_state.json")) as file:
+        return json.load(file)["step"]
+
+
 def model_and_optimizer_state(model, optimizer, full):
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
 
@@ -171,7 +177,9 @@ class Checkpointer:
             torch.save({"rng": rng_states(), "data": position}, rank_file)
             if self.rank == 0:
                 shape = {name: getattr(self.shape, name) for name in self.shape.names}
-                trainer_state = dict(trainer_state, config=vars(self.args), shape=shape, data=position)
+                family = self.shape.config_class.__name__
+                trainer_state = dict(trainer_state, config=vars(self.args), family=family, shape=shape)
+                trainer_state.update(data=position)
                 trainer_state.update(scheduler=scheduler.state_dict(), world_size=self.world_size)
                 with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
                     json.dump(trainer_state, f, indent=1)
@@ -269,7 +277,7 @@ class Checkpointer:
                 f"no usable checkpoint to resume from ({', '.join(candidates)}); delete them to start "
                 f"over, or set another --run_name"
             )
-            fail(message) if self.rank == 0 else sys.exit(2)
+            self.refuse(message)
         return None
 
     def rewind(self, resume_from):
@@ -314,15 +322,25 @@ class Checkpointer:
                   f"aside in {aside}", flush=True)  # fmt: skip
         return resume_from
 
+    def refuse(self, message):
+        """Every rank finds the same problem with a checkpoint; rank 0 says it."""
+        fail(message) if self.rank == 0 else sys.exit(2)
+
     def load(self, path, model, optimizer, scheduler, batches):
         """Restores a checkpoint written by save(); returns its trainer state."""
         with open(os.path.join(path, "trainer_state.json")) as f:
             trainer_state = json.load(f)
+        family, saved_family = self.shape.config_class.__name__, trainer_state.get("family", "")
+        if saved_family and saved_family != family:
+            self.refuse(
+                f"checkpoint {path} holds a {saved_family} model, and this run builds a {family} one "
+                f"(--model={self.args.model}); use another --run_name or --checkpoint_dir"
+            )
         recorded = trainer_state["shape"]
         changed = {k: (v, getattr(self.shape, k)) for k, v in recorded.items() if getattr(self.shape, k) != v}
         if changed:
             details = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
-            fail(
+            self.refuse(
                 f"checkpoint {path} has another model shape ({details}); use another --run_name or "
                 f"--checkpoint_dir"
             )
@@ -357,7 +375,7 @@ class Checkpointer:
             batches.load_state_dict(rank_state["data"])
         elif batches.position_per_rank:
             writers = trainer_state["world_size"]
-            fail(
+            self.refuse(
                 f"checkpoint {path} of a streamed run was written by {writers} processes: "
                 f"a stream's position cannot be split anew, so resume it with {writers}"
             )
@@ -375,6 +393,8 @@ def checkpoint_problem(path, rank=0, world_size=1):
             files = json.load(f)["files"]
         if not os.path.isfile(os.path.join(path, "trainer_state.json")):
             problem = "no trainer_state.json (a save cut short)"
+        else:
+            problem = manifest_problem(files)
     except FileNotFoundError:
         problem = f"no {MANIFEST} (a save cut short, or written before checkpoints had checksums)"
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -395,6 +415,20 @@ def checkpoint_problem(path, rank=0, world_size=1):
         if problem:
             break
     return problem
+
+
+def manifest_problem(files):
+    """A manifest written by save() names each file with its size and checksum, the trainer state and
+    the model's state among them; anything else is damage that the checksums alone would let through."""
+    entry = {"size": int, "crc32": str}
+    if not isinstance(files, dict) or not all(
+        isinstance(value, dict) and all(isinstance(value.get(key), kind) for key, kind in entry.items())
+        for value in files.values()
+    ):
+        return f"{MANIFEST} has entries of the wrong type (damaged)"
+    if "trainer_state.json" not in files or not {".metadata", "state_dict.pt"} & set(files):
+        return f"{MANIFEST} does not list the trainer state and the model state (damaged)"
+    return None
 
 
 def rng_states():

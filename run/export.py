@@ -82,5 +82,12 @@ def export_checkpoint(path, rebuild, destination=None):
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
     model.load_state_dict(state, assign=True)
-    save_export(model, tokenizer, destination)
+    try:
+        save_export(model, tokenizer, destination)
+    except save_errors() as error:
+        raise ConfigError(
+            f"writing the export {destination}.tmp failed ({save_error(error)}; "
+            f"{space_left(os.path.dirname(destination))}); the checkpoint is untouched. Free space, then "
+            f"export again"
+        ) from None
     return destination

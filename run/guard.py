@@ -79,7 +79,10 @@ class StopSignals:
                 continue
             if self.training and time.monotonic() - self.first < SAME_STOP_SECONDS:
                 continue
-            why = "a second stop signal" if self.training else "before training started"
+            if self.training:
+                why = "a second stop signal"
+            else:  # torchrun ends the other ranks so when one fails before training (a refused lock, say)
+                why = "before training started (a stop, or torchrun ending the ranks after one failed)"
             message = f"{name}, {why}: exiting at once with status {128 + number}, writing nothing"
             print(message, file=sys.stderr, flush=True)
             end_children(number)
@@ -94,14 +97,28 @@ def default_signals():
         signal.signal(number, signal.SIG_DFL)
 
 
-def end_children(number):
+def end_children(number, grace_s=2.0):
     """Passes a stop signal on to this process's children before it exits, so that none is left running
-    (and holding the launcher's output open)."""
+    (and holding the launcher's output open). A child still there after grace_s is killed: one forked just
+    as the signal came may have caught it with the handler it inherited, before it set the default one."""
+    children = set()
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
         with contextlib.suppress(OSError), open(path) as file:
-            for child in file.read().split():
-                with contextlib.suppress(OSError):
-                    os.kill(int(child), number)
+            children.update(int(child) for child in file.read().split())
+    for child in children:
+        with contextlib.suppress(OSError):
+            os.kill(child, number)
+    deadline = time.monotonic() + grace_s
+    while children and time.monotonic() < deadline:
+        for child in list(children):
+            with contextlib.suppress(ChildProcessError):
+                if not os.waitpid(child, os.WNOHANG)[0]:
+                    continue
+            children.discard(child)
+        time.sleep(0.02)
+    for child in children:
+        with contextlib.suppress(OSError):
+            os.kill(child, signal.SIGKILL)
 
 
 def flight_recorder_env(environ, folder):

@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -13,8 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from run.checkpoints import checkpoint_step
 from run.guard import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
-from run.options import ConfigError, launched_world_size
+from run.options import ConfigError, fail, launched_world_size
 
 
 def check_machine_holds(args, meta_model):
@@ -150,9 +152,12 @@ def setup_distributed(args, log_folder):
     """(device, rank, world size, device mesh), the process group started. A plain `python train.py` is a
     process group of one, on a free port."""
     if "RANK" not in os.environ:
+        port = os.environ.get("MASTER_PORT")
+        if port and not port_is_free(port):
+            fail(f"MASTER_PORT={port} is taken on this machine (another run?), or not a port; unset it, "
+                 f"and a plain run picks a free one")  # fmt: skip
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        port = os.environ.get("MASTER_PORT") or str(free_port())
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port or str(free_port()))
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cpu")
     if torch.cuda.is_available():
@@ -183,6 +188,15 @@ def setup_distributed(args, log_folder):
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **options)
     mesh = device_mesh(args, device.type, world_size, int(os.environ["LOCAL_WORLD_SIZE"]))
     return device, rank, world_size, mesh
+
+
+def port_is_free(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", int(port)))
+        except (OSError, ValueError, OverflowError):
+            return False
+    return True
 
 
 def free_port():
@@ -240,10 +254,17 @@ def device_mesh(args, device_type, world_size, local_world_size):
 
 
 def already_finished(args, resume_path, total_steps, run_dir, master):
-    """A relaunch of a run that finished (its newest checkpoint is its last step, its model exported)."""
-    step = int(resume_path.rsplit("_", 1)[1]) if resume_path else 0
+    """A relaunch of a run that finished (its newest checkpoint is its last step, its model exported). A
+    checkpoint past the run's last step is refused: training would do nothing and export it as if done."""
+    step = checkpoint_step(resume_path) if resume_path else 0
+    if step > total_steps:
+        message = (
+            f"run {args.run_name} is at step {step} ({resume_path}), past its {total_steps} steps; raise "
+            f"--max_steps to go on, or rewind with --resume_from=<an earlier step_N>"
+        )
+        fail(message) if master else sys.exit(2)
     exported = os.path.isdir(os.path.join(run_dir, "final_model"))
-    finished = not args.resume_from and step >= total_steps and exported
+    finished = not args.resume_from and step == total_steps and exported
     if finished and master:
         print(
             f"run {args.run_name} already finished at step {step} ({resume_path}); nothing to do. Pass "

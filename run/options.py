@@ -44,11 +44,14 @@ OPERATIONAL = {
 }  # fmt: skip
 
 
-def print_help(script):
+def print_help(script, first_line="# Model: a preset"):
     """The help is the script's docstring, then its constants block itself, with its comments."""
     source = open(script.__file__).read()
-    constants = source[source.index("# Model: a preset") : source.index("# fmt: on")]
-    print(f"{script.__doc__}\nOptions (--name=value):\n{constants}")
+    constants = source[source.index(first_line) : source.index("\n# fmt: on")]
+    try:
+        print(f"{script.__doc__}\nOptions (--name=value):\n{constants}", flush=True)
+    except BrokenPipeError:  # `--help | head` has what it wanted; the flush at exit must not fail either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
@@ -216,6 +219,18 @@ def launched_world_size(args):
 def check_combinations(args, shape):
     if shape.n_embd % shape.n_head:
         raise ConfigError(f"--n_embd={shape.n_embd} is not divisible by --n_head={shape.n_head}")
+    kv_heads = shape.arguments.get("num_key_value_heads") or shape.n_head
+    if shape.n_head % kv_heads:
+        raise ConfigError(
+            f"--n_head={shape.n_head} is not a multiple of the model's {kv_heads} key/value heads "
+            f"(num_key_value_heads); use a multiple of {kv_heads}"
+        )
+    head_size = shape.n_embd // shape.n_head
+    if head_size % 2 and "rope_parameters" in shape.config_class().to_dict():
+        raise ConfigError(
+            f"--n_embd={shape.n_embd} / --n_head={shape.n_head} = {head_size} per head: rotary position "
+            f"embeddings rotate pairs of features, so the head size must be even"
+        )
     if args.seq_length > shape.n_positions:
         raise ConfigError(
             f"--seq_length={args.seq_length} exceeds the model's {shape.n_positions} positions; "
@@ -247,6 +262,11 @@ def check_combinations(args, shape):
     if args.cpu_offload and args.sharding == "ddp":
         raise ConfigError("--cpu_offload=True needs FSDP; it does not work with --sharding=ddp")
     resume_from = args.resume_from
+    if resume_from and resume_from.rstrip("/").endswith(".tmp"):
+        raise ConfigError(
+            f"--resume_from={resume_from} is a save cut short (a .tmp folder is never complete); name its "
+            f"step_N folder or an earlier one"
+        )
     rewound = resume_from and os.path.isfile(os.path.join(os.path.dirname(resume_from), REWINDS))
     if resume_from and not rewound and not os.path.isfile(os.path.join(resume_from, "trainer_state.json")):
         raise ConfigError(

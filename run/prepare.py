@@ -39,9 +39,10 @@ def corpus_files(path):
     )
 
 
-def check_utf8(path):
-    """A text corpus file must be UTF-8: anything else would fail deep inside datasets."""
-    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+def check_text_file(path):
+    """A text corpus file must be UTF-8 without NUL bytes: anything else would fail deep inside datasets,
+    or be tokenised as if it were text."""
+    decoder, offset, lines = codecs.getincrementaldecoder("utf-8")(), 0, 0
     with open(path, "rb") as file:
         while True:
             chunk = file.read(2**24)
@@ -54,14 +55,49 @@ def check_utf8(path):
                     f"--data: {path} is not UTF-8 text (invalid byte at offset {position}); "
                     f"convert it (iconv -t utf-8) or remove it"
                 ) from None
+            if (nul := chunk.find(b"\0")) >= 0:
+                line = lines + chunk.count(b"\n", 0, nul) + 1
+                raise ConfigError(
+                    f"--data: {path} line {line} holds a NUL byte (offset {offset + nul}): not text; "
+                    f"remove the line, or the file"
+                )
             if not chunk:
                 return
             offset += len(chunk)
+            lines += chunk.count(b"\n")
+
+
+def unreadable_file(files, extension):
+    """Why datasets could not read the corpus: its first file that does not parse, with the line of a
+    JSON-lines file; None when every file parses."""
+    import pyarrow.parquet as pq
+
+    for path in files:
+        if extension == ".parquet":
+            try:
+                pq.read_table(path)
+            except Exception as error:  # pyarrow raises a different class for each kind of damage
+                return f"{path} is not a readable parquet file ({str(error).splitlines()[0]})"
+            continue
+        with open(path, encoding="utf-8") as file:
+            try:
+                json.load(file)  # a .json file may hold one document rather than a record per line
+                continue
+            except ValueError:
+                file.seek(0)
+            for number, line in enumerate(file, 1):
+                try:
+                    if line.strip():
+                        json.loads(line)
+                except ValueError as error:
+                    return f"{path} line {number} is not a JSON record ({error})"
+    return None
 
 
 def load_document_splits(args, kind, name, config):
     """train and validation splits of wikitext or a local corpus, as map-style datasets."""
     from datasets import load_dataset
+    from datasets.utils import logging as datasets_logging
 
     cache_dir = os.path.join(args.data_cache, "hf")
     if kind == "hub":
@@ -80,10 +116,20 @@ def load_document_splits(args, kind, name, config):
         if sum(os.path.getsize(path) for path in files) == 0:
             raise ConfigError(f"--data={args.data} holds no text")
         for path in files if formats[0] != ".parquet" else []:
-            check_utf8(path)
+            check_text_file(path)
         # In a folder, files named like train/validation/test become those splits (datasets' naming rules).
         where = dict(data_files=name) if os.path.isfile(name) else dict(data_dir=name)
-        splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=cache_dir)
+        # datasets logs a traceback for a file it cannot parse before it raises; the file is named below
+        verbosity = datasets_logging.get_verbosity()
+        datasets_logging.set_verbosity(datasets_logging.CRITICAL)
+        try:
+            splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=cache_dir)
+        except Exception:
+            if formats[0] == ".txt" or not (why := unreadable_file(files, formats[0])):
+                raise
+            raise ConfigError(f"--data: {why}; fix or remove it") from None
+        finally:
+            datasets_logging.set_verbosity(verbosity)
         check_text_column(args, splits["train"].column_names)
     if "validation" not in splits:
         if splits["train"].num_rows < 2:
@@ -170,6 +216,7 @@ def prepare_token_files(args, kind, name, config, tokenizer):
                 digest.update(ids)
                 count += len(ids)
         if count == 0:
+            os.remove(temporary)
             raise ConfigError(f"--data={args.data} holds no text in its {split} split")
         os.replace(temporary, paths[split])
         with open(temporary, "w") as file:

@@ -15,7 +15,7 @@ import yaml
 
 from run.checkpoints import newest_checkpoint
 from run.guard import RankTimes, Stragglers, describe_straggler
-from run.heal import node_name, write_suspects
+from run.heal import node_name, write_atomically, write_suspects
 from run.options import ConfigError, fail
 
 
@@ -118,6 +118,8 @@ class Progress:
                 flush=True,
             )
         if self.bad_steps >= self.args.max_bad_steps:
+            if not self.master:
+                sys.exit(2)
             kept = newest_checkpoint(os.path.join(self.args.checkpoint_dir, self.args.run_name))
             fail(
                 f"stopping: {self.bad_steps} non-finite steps in a row (lower --lr or raise --warmup_steps); "
@@ -173,8 +175,11 @@ class Progress:
                 f"done: {self.total_steps} steps in {time.perf_counter() - self.start_time:.1f} s", flush=True
             )
         self.run_log.close()
-        if curves := plot_curves(self.run_log.folder):
-            print(f"curves: {curves}", flush=True)
+        try:
+            if curves := plot_curves(self.run_log.folder):
+                print(f"curves: {curves}", flush=True)
+        except OSError as error:
+            print(f"warning: cannot write curves.png ({error.strerror})", file=sys.stderr, flush=True)
 
 
 def peak_flops(device):
@@ -233,8 +238,12 @@ class RunLog:
                 fail(f"--wandb={args.wandb}: {str(error).splitlines()[0]}; or set WANDB_MODE=offline")
 
     def write(self, record):
-        self.metrics.write(json.dumps(record) + "\n")
-        self.metrics.flush()
+        if self.metrics is not None:
+            try:
+                self.metrics.write(json.dumps(record) + "\n")
+                self.metrics.flush()
+            except OSError as error:  # a full log disk must not end a run whose checkpoints are elsewhere
+                self.stop_writing(error)
         scalars = {
             f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}": value
             for key, value in record.items()
@@ -245,19 +254,23 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log(scalars, step=record["step"])
 
+    def stop_writing(self, error):
+        print(f"warning: cannot write {self.metrics.name} ({error.strerror}); the run's records stop here, "
+              f"training goes on and its step lines still print", file=sys.stderr, flush=True)  # fmt: skip
+        with contextlib.suppress(OSError):
+            self.metrics.close()
+        self.metrics = None
+
     def close(self):
-        self.metrics.close()
+        if self.metrics is not None:
+            try:
+                self.metrics.close()
+            except OSError as error:
+                self.stop_writing(error)
         if self.writer is not None:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
-
-
-def write_atomically(path, text):
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as file:
-        file.write(text)
-    os.replace(temporary, path)
 
 
 def write_run_folder(args, folder):
@@ -331,9 +344,15 @@ def plot_curves(folder):
     figure.tight_layout()
     path = os.path.join(folder, "curves.png")
     temporary = os.path.join(folder, f"curves.{os.getpid()}.tmp.png")
-    figure.savefig(temporary, dpi=100)
-    plt.close(figure)
-    os.replace(temporary, path)
+    try:
+        figure.savefig(temporary, dpi=100)
+        os.replace(temporary, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
+    finally:
+        plt.close(figure)
     return path
 
 

@@ -211,8 +211,19 @@ DAMAGES = [
     (29, lambda step: truncate(step / "__0_0.distcp"), "__0_0.distcp has {size} bytes instead of"),
     (28, lambda step: (step / "trainer_state.json").unlink(), "no trainer_state.json (a save cut short)"),
     (27, lambda step: (step / "manifest.json").write_text("{"), "unreadable manifest.json"),
-    (26, corrupt_shard, "__1_0.distcp does not match its checksum (corrupt)"),
+    (26, lambda step: edit_manifest(step, lambda files: {}), "manifest.json does not list the trainer state"),
+    (
+        25,
+        lambda step: edit_manifest(step, lambda files: {name: "?" for name in files}),
+        "manifest.json has entries of the wrong type (damaged)",
+    ),
+    (24, corrupt_shard, "__1_0.distcp does not match its checksum (corrupt)"),
 ]
+
+
+def edit_manifest(step, change):
+    manifest = json.loads((step / "manifest.json").read_text())
+    (step / "manifest.json").write_text(json.dumps({"files": change(manifest["files"])}))
 
 
 def damage_checkpoints(run_dir):
@@ -237,9 +248,14 @@ def resumes(uninterrupted, tmp_path_factory):
         args = [f"--log_dir={tmp}", f"--checkpoint_dir={tmp}", *RUN, *(arg.format(tmp=tmp) for arg in args)]
         launches[name] = functools.partial(launch, "train.py", args, nproc=nproc)
 
+    # a checkpoint copied under a name of the user's: its step is in its trainer state
+    renamed = tmp_path_factory.mktemp("renamed") / "weights_at_20"
+    shutil.copytree(two / "exact" / "step_20", renamed)
     add("damaged", damage_checkpoints, "--resume_from={tmp}/exact/step_30", nproc=2)
-    add("one process", None, f"--resume_from={two}/exact/step_20")
+    add("one process", None, f"--resume_from={renamed}")
     add("no usable checkpoint", remove_manifests)
+    add("past max_steps", lambda run_dir: None, "--max_steps=20")  # a copy of the finished run
+    add("other family", None, "--model=tiny-llama", "--run_name=llama", f"--resume_from={renamed}")
     results = together(*launches.values())
     return {name: (folders[name], result) for name, result in zip(launches, results)}
 
@@ -252,10 +268,10 @@ def warnings_of(output):
 
 def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint(uninterrupted, resumes):
     tmp, result = resumes["damaged"]
-    run_dir, shard = tmp / "exact", tmp / "exact" / "step_26" / "__1_0.distcp"
+    run_dir, shard = tmp / "exact", tmp / "exact" / "step_24" / "__1_0.distcp"
     assert result.returncode == 0, result.stderr[-3000:]
-    assert warnings_of(result.stdout)[f"{run_dir}/step_26"] == (
-        f"warning: checkpoint {run_dir}/step_26 is unusable: {shard} does not match its checksum "
+    assert warnings_of(result.stdout)[f"{run_dir}/step_24"] == (
+        f"warning: checkpoint {run_dir}/step_24 is unusable: {shard} does not match its checksum "
         f"(corrupt); falling back to {run_dir}/step_20"
     )
     assert f"resumed from {run_dir}/step_20 at step 20" in result.stdout
@@ -287,6 +303,27 @@ def test_no_usable_checkpoint_left_stops_naming_them(resumes):
     steps = ", ".join(f"{run_dir}/step_{step}" for step in (30, 20, 10))
     assert f"error: no usable checkpoint to resume from ({steps})" in result.stderr
     assert not (tmp / "metrics.jsonl").exists()  # stopped before training
+
+
+def test_a_run_past_its_last_step_is_refused_rather_than_exported_as_done(resumes):
+    tmp, result = resumes["past max_steps"]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert error_lines(result.stderr) == [
+        f"error: run exact is at step 30 ({tmp}/exact/step_30), past its 20 steps; raise --max_steps to go "
+        f"on, or rewind with --resume_from=<an earlier step_N>"
+    ]
+    assert "done:" not in result.stdout
+
+
+def test_a_checkpoint_of_another_model_family_is_refused(resumes):
+    tmp, result = resumes["other family"]
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = error_lines(result.stderr)
+    assert line.startswith("error: checkpoint ") and line.endswith(
+        "holds a GPT2Config model, and this run builds a LlamaConfig one (--model=tiny-llama); use "
+        "another --run_name or --checkpoint_dir"
+    )
+    assert not read_metrics(tmp), "refused before any step"
 
 
 def write_lock(run_dir, age_s=0.0, **holder):
@@ -437,7 +474,9 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(disk_full_runs, a
     assert sorted(p.name for p in (disk / "full_disk").iterdir() if p.name.startswith("step")) == ["step_2"]
 
 
-def test_disk_full_during_the_export_leaves_no_half_written_model(disk_full_runs):
+def test_disk_full_during_the_export_leaves_no_half_written_model(disk_full_runs, capsys):
+    import train as train_script
+
     disk, result = disk_full_runs["export"]
     assert result.returncode != 0
     errors = error_lines(result.stderr)
@@ -446,6 +485,13 @@ def test_disk_full_during_the_export_leaves_no_half_written_model(disk_full_runs
     assert not (disk / "full_disk" / "final_model").exists()
     assert not (disk / "full_disk" / "final_model.tmp").exists()
     assert (disk / "full_disk" / "step_2" / "manifest.json").exists()
+    # exporting the checkpoint by hand, onto the same full disk
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([f"--export_from={disk}/full_disk/step_2"])
+    err = capsys.readouterr().err  # transformers' progress bar, then the line
+    assert exit_info.value.code == 2 and len(error_lines(err)) == 1 and "Traceback" not in err, err
+    assert f"error: writing the export {disk}/full_disk/export_step_2.tmp failed (" in err
+    assert not [p for p in (disk / "full_disk").iterdir() if p.name.startswith("export_step_2")]
 
 
 def test_an_empty_lock_is_taken_over(tmp_path, capsys):

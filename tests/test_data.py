@@ -281,6 +281,26 @@ def write_files(root, layout):
             "train.txt is not UTF-8 text (invalid byte at offset 128)",
         ),
         (
+            {"nul.txt": b"the cat sees a dog .\n" * 3 + b"a \0 cat\n"},
+            ["--data=nul.txt"],
+            "nul.txt line 4 holds a NUL byte (offset 65): not text",
+        ),
+        (
+            {"docs/a.jsonl": '{"text": "the cat sees a dog ."}\n' * 5 + '{"text": "cut sho\n'},
+            ["--data=docs"],
+            "a.jsonl line 6 is not a JSON record",
+        ),
+        (
+            {"cut/a.parquet": b"PAR1" + bytes(100)},
+            ["--data=cut"],
+            "a.parquet is not a readable parquet file",
+        ),
+        (
+            {"ok.txt": "the cat sees a dog .\n", "tok/tokenizer.json": "{"},
+            ["--data=ok.txt", "--tokenizer=tok"],
+            "--tokenizer=tok: cannot load the tokenizer in this folder (",
+        ),
+        (
             {"ok.txt": "the cat sees a dog .\n"},
             ["--data=ok.txt", "--tokenizer=./no_tokenizer"],
             "--tokenizer=./no_tokenizer: no such folder",
@@ -300,6 +320,7 @@ def test_bad_corpus_is_one_clear_line(tmp_path, tokenizer_dir, layout, args, mes
     # Only datasets' progress bars may come before the error line.
     assert message in err.strip().splitlines()[-1], err
     assert err.count("error:") == 1 and "Traceback" not in err, err
+    assert not list(tmp_path.rglob("*.tmp")), "a refused corpus leaves no temporary file"
 
 
 def test_model_vocabulary_follows_the_tokenizer(tokenizer_dir, corpus, capsys):

@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -251,10 +252,16 @@ def test_a_stop_signal_before_training_ends_the_processes_the_rank_forked():
     worker = int(process.stdout.readline())
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=30) == 128 + signal.SIGTERM
+
+    def running():  # a zombie has ended: it waits for its new parent to reap it
+        with contextlib.suppress(OSError):
+            return Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return False
+
     deadline = time.monotonic() + 10
-    while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:
+    while running() and time.monotonic() < deadline:
         time.sleep(0.1)
-    alive = os.path.exists(f"/proc/{worker}")
+    alive = running()
     if alive:
         os.kill(worker, signal.SIGKILL)
     assert not alive, "the forked worker outlived its rank"

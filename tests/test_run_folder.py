@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,36 @@ def test_export_from_any_step_and_sample(export_runs, capsys, model, ckpt_format
     assert not (folder / "run" / "export_step_2").exists()
 
 
+def test_sample_starts_after_a_document_end_and_refuses_what_it_cannot_do(export_runs, tmp_path, capsys):
+    import sample
+
+    folder, result = export_runs["tiny", "sharded"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    model = folder / "run" / "final_model"
+    # dummy data has no tokenizer: the default prompt is the end-of-document token, the vocabulary's last
+    options = ["--num_samples=1", "--max_new_tokens=3", "--temperature=0"]
+    assert sample.main([f"--init_from={model}", *options]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("---")]
+    assert line.split()[0] == "511" and len(line.split()) == 4, line
+
+    broken_config, no_weights = tmp_path / "broken_config", tmp_path / "no_weights"
+    for copy in (broken_config, no_weights):
+        shutil.copytree(model, copy)
+    (broken_config / "config.json").write_text("{")
+    (no_weights / "model.safetensors").unlink()
+    cases = [
+        ([f"--init_from={model}", "--prompt=1 2 3", "--max_new_tokens=300"],
+         "--max_new_tokens=300 after a prompt of 3 tokens passes the model's 256 positions; use at most 253"),
+        ([f"--init_from={broken_config}"], f"--init_from={broken_config}: cannot load the model ("),
+        ([f"--init_from={no_weights}"], f"--init_from={no_weights}: cannot load the model ("),
+    ]  # fmt: skip
+    for args, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            sample.main(args)
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert exit_info.value.code == 2 and len(errors) == 1 and message in errors[0], errors
+
+
 def wait_for_catching(pid, number, timeout=120):
     """Waits until the process has a handler for signal `number` (its SigCgt bit in /proc)."""
     deadline = time.monotonic() + timeout
@@ -204,7 +235,9 @@ def test_a_stop_signal_exits_at_once_when_it_cannot_checkpoint(tmp_path, when):
     finally:
         process.kill()
     assert exited_after < 5, output[-3000:]
-    why = "before training started" if when == "before training" else "a second stop signal"
+    why = "a second stop signal"
+    if when == "before training":
+        why = "before training started (a stop, or torchrun ending the ranks after one failed)"
     assert f"SIGTERM, {why}: exiting at once with status 143, writing nothing" in output, output[-3000:]
     if when == "inside a step":
         assert "SIGTERM: checkpointing at the end of this step" in output
@@ -285,3 +318,16 @@ def test_a_broken_line_in_metrics_is_skipped_with_a_warning(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert err.strip() == f"warning: {tmp_path}/metrics.jsonl line 2 is not a record; skipped"
     assert out.strip() == f"curves: {tmp_path}/curves.png" and (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_a_full_log_disk_ends_the_records_with_one_warning_not_the_run(tmp_path, capsys):
+    from run.run_log import RunLog
+
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: No space left on device
+    run_log = RunLog(types.SimpleNamespace(tensorboard=False, wandb=None), str(tmp_path))
+    for step in range(1, 4):
+        run_log.write({"step": step, "loss": 5.0})
+    run_log.close()
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1, err
+    assert f"warning: cannot write {tmp_path}/metrics.jsonl (No space left on device)" in err

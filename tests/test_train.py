@@ -1,7 +1,9 @@
 import contextlib
 import functools
 import math
+import os
 import socket
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -111,6 +113,12 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
         ),
         (["--model=gpt2", "--seq_length=2048"], {}, "--seq_length=2048 exceeds the model's 1024 positions"),
         (["--n_embd=100", "--n_head=3"], {}, "--n_embd=100 is not divisible by --n_head=3"),
+        (
+            ["--model=tiny-llama", "--n_head=1"],
+            {},
+            "--n_head=1 is not a multiple of the model's 2 key/value heads (num_key_value_heads)",
+        ),
+        (["--model=tiny-llama", "--n_embd=260"], {}, "= 65 per head: rotary position embeddings rotate"),
         (["--sharding=zero3"], {}, "--sharding=zero3 is not one of: full, grad_op, hybrid"),
         (["--model=gpt3"], {}, "--model=gpt3 is not a preset"),
         (["batch_size=4"], {}, "options are written --name=value"),
@@ -137,6 +145,11 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
             ["--profile_steps=\u0663,\u0665"],
             {},
             "--profile_steps=\u0663,\u0665: expected two step numbers A,B",
+        ),
+        (
+            ["--resume_from=ckpt/run/step_4.tmp"],
+            {},
+            "--resume_from=ckpt/run/step_4.tmp is a save cut short (a .tmp folder is never complete)",
         ),
         (["--init_from=./no_such_model"], {}, "--init_from=./no_such_model: no such folder"),
         (["--init_from=/no/such/model"], {}, "--init_from=/no/such/model: no such folder"),
@@ -170,6 +183,21 @@ def test_help_lists_every_option_with_its_default_and_comment(capsys):
     assert all(f"\n{name}:" in out for name in ("model", "data", "sharding", "checkpoint_every", "dry_run"))
 
 
+def test_help_into_a_closed_pipe_is_quiet(monkeypatch):
+    """`python train.py --help | head -3`: head may close the pipe before the help is written."""
+    import sample
+    import train as train_script
+
+    for script in (train_script, sample):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        with os.fdopen(write_end, "w") as closed_pipe:
+            monkeypatch.setattr(sys, "stdout", closed_pipe)
+            assert script.main(["--help"]) == 0
+            closed_pipe.write("the exit's flush\n")
+            closed_pipe.flush()
+
+
 def test_each_invalid_option_is_its_own_line(capsys):
     import train as train_script
 
@@ -196,3 +224,22 @@ def test_plain_run_picks_a_free_port(runs):
     one-process run of `runs` is such a run, launched while that port was taken."""
     assert_ran(runs.one)
     assert "world_size=1" in runs.one.stdout
+
+
+def test_a_plain_run_on_a_taken_master_port_is_one_line(tmp_path, capsys, monkeypatch):
+    from run import launch as run_launch
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        with pytest.raises(SystemExit) as exit_info:
+            run_launch.setup_distributed(SimpleNamespace(compile=False), str(tmp_path))
+    assert exit_info.value.code == 2 and "RANK" not in os.environ
+    assert capsys.readouterr().err == (
+        f"error: MASTER_PORT={port} is taken on this machine (another run?), or not a port; unset it, "
+        f"and a plain run picks a free one\n"
+    )
