@@ -176,8 +176,8 @@ launch() {
   local pid=$! ended=""
   while kill -0 "$pid" 2>/dev/null; do
     if [ "$stop" = requested ] && signal_workers; then stop=sent; fi
-    if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "$ended" ] && [ -n "$run_folder" ] && hang_blamed_before 30; then
-      echo "$(date +%T) a hang blamed a node 30 s ago ($run_folder/suspects) and the step goes on: ending it"
+    if [ -n "${SLURM_JOB_ID:-}" ] && [ -z "$ended" ] && [ -n "$run_folder" ] && hang_blamed_before 15; then
+      echo "$(date +%T) a hang blamed a node 15 s ago ($run_folder/suspects) and the step goes on: ending it"
       kill -INT "$pid"; sleep 0.2; kill -INT "$pid" 2>/dev/null || true; ended=1
     fi
     sleep 1 & wait $! || true
