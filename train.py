@@ -96,6 +96,7 @@ max_bad_steps: int = 5              # stop after this many non-finite steps in a
 log_every: int = 10
 log_dir: str = "logs"
 tensorboard: bool = True            # <log_dir>/<run_name>/tensorboard
+curves: bool = True                 # <log_dir>/<run_name>/curves.png at the end: loss, lr, tokens/s, MFU
 wandb: str | None = None            # a W&B project to log to as well; None: off
 plot: str | None = None             # a run folder (<log_dir>/<run_name>): write its curves.png, then exit
 export_from: str | None = None      # a step_N checkpoint: write export_step_N beside it, then exit

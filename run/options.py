@@ -40,7 +40,7 @@ OPERATIONAL = {
     "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
     "prepare_only", "eval_every", "eval_batches", "world_size", "gpus_per_node", "gpu", "hang_minimum_s",
     "hang_factor", "checkpoint_limit_s", "eval_limit_s", "profile_steps", "max_steps", "num_epochs", "wandb",
-    "plot", "export_from", "check_only", "exclude_stragglers_after",
+    "plot", "export_from", "check_only", "exclude_stragglers_after", "curves",
 }  # fmt: skip
 
 

@@ -176,7 +176,7 @@ class Progress:
             )
         self.run_log.close()
         try:
-            if curves := plot_curves(self.run_log.folder):
+            if self.args.curves and (curves := plot_curves(self.run_log.folder)):
                 print(f"curves: {curves}", flush=True)
         except OSError as error:
             print(f"warning: cannot write curves.png ({error.strerror})", file=sys.stderr, flush=True)

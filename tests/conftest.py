@@ -29,6 +29,7 @@ TINY = [
     "--min_lr=1e-4",
     "--warmup_steps=10",
     "--log_every=1",
+    "--curves=False",  # matplotlib costs each run ~0.8 s of CPU; test_run_folder.py checks the curves
 ]
 
 # A stopped rank, named by its last heartbeat (computing while the others wait) or by its silence after it

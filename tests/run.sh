@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The test command: sets up .venv if needed, then runs the suite in two phases, each printing its 15 slowest
-# tests: every test but the timing ones, two files at a time (pytest-xdist; a file's tests share its runs),
+# tests: every test but the timing ones, three files at a time (pytest-xdist; a file's tests share its runs),
 # longest files first (conftest.py); then the timing tests alone, which compare figures measured on this
-# machine and need it to themselves. pytest arguments pass through.
+# machine and need it to themselves. Three files, not two, on two cores: the SLURM file mostly waits (the
+# queue, slurmctld's time-limit check, a watchdog's limit), and a third file keeps both cores busy meanwhile.
+# pytest arguments pass through.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash setup.sh
@@ -13,7 +15,7 @@ phase() {
   .venv/bin/python -m pytest -q --durations=15 "$@" || status=$?
   statuses+=("$status")
 }
-phase -n 2 --dist loadfile --no-loadscope-reorder -m "not timing" "$@"
+phase -n 3 --dist loadfile --no-loadscope-reorder -m "not timing" "$@"
 phase -m timing "$@"
 # 5 is pytest's "no test selected": a phase the arguments leave empty
 for status in "${statuses[@]}"; do

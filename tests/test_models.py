@@ -43,6 +43,7 @@ TINY_LLAMA = [
     "--warmup_steps=2",
     "--log_every=1",
     "--max_steps=6",
+    "--curves=False",
 ]
 
 

@@ -27,7 +27,7 @@ from conftest import (
 import train as train_script
 from run import guard
 
-RUN = [*TINY, "--max_steps=6", "--run_name=life", "--checkpoint_every=100"]
+RUN = [*TINY, "--max_steps=6", "--run_name=life", "--checkpoint_every=100", "--curves=True"]
 
 
 def wandb_records(path):

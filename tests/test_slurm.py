@@ -31,6 +31,7 @@ TINY = [
     "--activation_checkpointing=False",
     "--log_every=1",
     "--tensorboard=False",
+    "--curves=False",
 ]
 
 
