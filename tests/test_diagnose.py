@@ -194,11 +194,12 @@ def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
     log = "".join(output)
     run = tmp_path / "slow"
 
-    # The first window's one timed step, step 2, starts as the throttling does: it may or may not name rank 1.
+    # The first window's one timed step, step 2, starts as the throttling does: it may name rank 1, or, by
+    # noise, either rank (CI saw rank 0 at 0.025 s vs a median of 0.023).
     windows = [line for line in output if re.match(r"step +[468]/\d+ \|", line)]
     named = all(f"| straggler {HOST}:1: compute" in line for line in windows)
     assert len(windows) == 3 and named, log[-3000:]
-    assert f"{HOST}:0" not in log
+    assert f"{HOST}:0" not in "".join(output[output.index(windows[0]) :])
     records = read_metrics(tmp_path)[1:]
     assert [list(r["stragglers"]) for r in records] == [[f"{HOST}:1"]] * 3
     assert all(r["stragglers"][f"{HOST}:1"]["compute_s"] > 1.1 * r["compute_s"] for r in records)
