@@ -260,10 +260,6 @@ def test_bad_model_options_are_one_clear_line(args, message, capsys, tmp_path):
     assert message in err and len(err.splitlines()) == 1, err
 
 
-@pytest.mark.skipif(
-    not hasattr(train_script, "tokenizer"),
-    reason="the example configs name the data branch's constants (data=wikitext|c4, tokenizer)",
-)
 @pytest.mark.parametrize("name", ["gpt2-4b-wikitext.yaml", "llama3.2-1b-c4.yaml"])
 def test_example_configs_pass_the_checks(name, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "8")
