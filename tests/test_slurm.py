@@ -255,6 +255,7 @@ def test_a_training_option_error_stops_the_job_in_one_line_before_the_benchmarks
     assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", output
     assert output.count("error: unknown option --batch_sise; did you mean --batch_size?") == 1, output
     assert "phase 1" not in output and "leaving out" not in output and fields["Restarts"] == "0", output
+    assert not excluded_nodes(tmp_path / "logs") and not list(tmp_path.glob("logs/*/suspects/*")), output
 
 
 def excluded_nodes(log_dir):
