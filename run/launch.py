@@ -1,6 +1,7 @@
 """Launch: the machine check, the run's folders and lock (one trainer per run), the device and the process
 group, and the end of a run."""
 
+import atexit
 import contextlib
 import json
 import os
@@ -137,6 +138,7 @@ def take_run_lock(run_dir):
                 os.utime(path)
 
     threading.Thread(target=heartbeat, daemon=True).start()
+    atexit.register(release_run_lock, path)  # an error exit (sys.exit, a traceback) leaves no lock behind
     return path
 
 

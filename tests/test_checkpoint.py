@@ -313,6 +313,7 @@ def test_a_run_past_its_last_step_is_refused_rather_than_exported_as_done(resume
         f"on, or rewind with --resume_from=<an earlier step_N>"
     ]
     assert "done:" not in result.stdout
+    assert not (tmp / "exact" / "trainer.lock").exists(), "a refused run releases its lock"
 
 
 def test_a_checkpoint_of_another_model_family_is_refused(resumes):
@@ -324,6 +325,7 @@ def test_a_checkpoint_of_another_model_family_is_refused(resumes):
         "another --run_name or --checkpoint_dir"
     )
     assert not read_metrics(tmp), "refused before any step"
+    assert not (tmp / "llama" / "trainer.lock").exists(), "a refused run releases its lock"
 
 
 def write_lock(run_dir, age_s=0.0, **holder):
