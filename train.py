@@ -920,9 +920,8 @@ def training_path():
 
 
 if __name__ == "__main__":
-    status = main(sys.argv[1:])
-    # Skip the interpreter's teardown: the loader's daemon thread may be inside tokenizer or Arrow code,
-    # and finalising around it can abort a process whose run has already finished and saved.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+    try:
+        status = main(sys.argv[1:])
+    except SystemExit as refusal:  # bad input or a refused run, said in one line
+        status = refusal.code
+    launch.exit_at_once(status)

@@ -276,6 +276,17 @@ def already_finished(args, resume_path, total_steps, run_dir, master):
     return finished
 
 
+def exit_at_once(status):
+    """Ends the process once its exit handlers (the run lock's release) have run, skipping the interpreter's
+    teardown, after a finished run and a refused one alike: the loader's daemon thread may be inside tokenizer
+    or Arrow code and gloo's threads still up, and finalising around them can abort a process that has said
+    all it had to ("terminate called without an active exception", status -6, seen on a refused relaunch)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(status)
+
+
 def teardown(lock):
     """Returns 0 once every rank is done with the process group, and the run's lock is released."""
     dist.barrier()  # a rank leaving while gloo still talks to it aborts the other
