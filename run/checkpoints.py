@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from run.options import REWINDS, fail
+from run.options import REWINDS, fail_on_every_rank
 
 MANIFEST = "manifest.json"
 
@@ -233,18 +232,18 @@ class Checkpointer:
         if self.pending is not None:
             self.pending[0].result()  # the background writer must be done before its folder goes
             self.pending = None
-        if self.rank != 0:
-            sys.exit(2)
-        shutil.rmtree(temporary, ignore_errors=True)
+        if self.rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
         previous = newest_checkpoint(self.run_dir)
         kept = (
             f"the previous checkpoint {previous} is untouched"
             if previous
             else "there is no earlier checkpoint"
         )
-        fail(
+        fail_on_every_rank(
             f"writing checkpoint {temporary} failed ({problem}; {space_left(self.run_dir)}); {kept}. "
-            f"Free space or fix permissions, then relaunch"
+            f"Free space or fix permissions, then relaunch",
+            speaker=self.rank == 0,
         )
 
     def problem(self, path):
@@ -324,7 +323,7 @@ class Checkpointer:
 
     def refuse(self, message):
         """Every rank finds the same problem with a checkpoint; rank 0 says it."""
-        fail(message) if self.rank == 0 else sys.exit(2)
+        fail_on_every_rank(message, speaker=self.rank == 0)
 
     def load(self, path, model, optimizer, scheduler, batches):
         """Restores a checkpoint written by save(); returns its trainer state."""

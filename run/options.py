@@ -10,8 +10,10 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import tempfile
+import time
 import types
 
 import torch
@@ -65,12 +67,28 @@ class ConfigError(ValueError):
 
 
 def report_config_error(error):
-    speaker = os.environ.get("LOCAL_RANK" if error.per_node else "RANK", "0") == "0"
-    fail(error) if speaker else sys.exit(2)
+    fail_on_every_rank(error, speaker=os.environ.get("LOCAL_RANK" if error.per_node else "RANK", "0") == "0")
 
 
 def fail(message):
     print("\n".join(f"error: {line}" for line in str(message).splitlines()), file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+SPEAKER_WAIT_S = 30
+
+
+def fail_on_every_rank(message, speaker):
+    """An error every rank meets: the speaker says it, the others exit 2 without a word, after it. torchrun
+    ends every rank once one exits, so a silent rank that left first could end the speaker before its line
+    was out (seen under torchrun: a checkpoint of another shape refused with no line at all). So the silent
+    ones wait, die quietly when torchrun ends them, and exit by themselves after SPEAKER_WAIT_S."""
+    if speaker:
+        fail(message)
+    for number in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(ValueError):  # only the main thread sets handlers; it is the one here
+            signal.signal(number, signal.SIG_DFL)
+    time.sleep(SPEAKER_WAIT_S)
     sys.exit(2)
 
 

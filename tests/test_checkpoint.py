@@ -127,10 +127,9 @@ def test_full_format_and_export_load_without_this_repo(tmp_path):
             "--run_name=full",
             "--n_embd=128",
         ],
-        nproc=0,
     )
-    assert changed.returncode == 2
-    assert "has another model shape (n_embd 256 -> 128)" in changed.stderr
+    assert changed.returncode != 0  # each rank exits 2; torchrun reports 1
+    assert changed.stderr.count("has another model shape (n_embd 256 -> 128)") == 1, changed.stderr  # rank 0
     step_8 = tmp_path / "full" / "step_8"
     assert (
         f"warning: checkpoint {step_8} is unusable: {step_8}/state_dict.pt does not match its checksum "
@@ -155,7 +154,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path):
     )
     assert result.returncode != 0  # each rank exits 2; torchrun reports 1
     assert result.stdout.count("non-finite loss or gradient norm, update skipped") == 3
-    assert "stopping: 3 non-finite steps in a row" in result.stderr
+    assert result.stderr.count("stopping: 3 non-finite steps in a row") == 1, result.stderr  # rank 0 alone
     assert not list(tmp_path.glob("*/step_*"))  # nothing bad was checkpointed
 
 
