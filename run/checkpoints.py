@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from run.options import REWINDS, fail_on_every_rank
+from run.options import REWINDS, exit_after_the_speaker, fail
 
 MANIFEST = "manifest.json"
 
@@ -232,18 +232,18 @@ class Checkpointer:
         if self.pending is not None:
             self.pending[0].result()  # the background writer must be done before its folder goes
             self.pending = None
-        if self.rank == 0:
-            shutil.rmtree(temporary, ignore_errors=True)
+        if self.rank != 0:
+            exit_after_the_speaker()
+        shutil.rmtree(temporary, ignore_errors=True)
         previous = newest_checkpoint(self.run_dir)
         kept = (
             f"the previous checkpoint {previous} is untouched"
             if previous
             else "there is no earlier checkpoint"
         )
-        fail_on_every_rank(
+        fail(
             f"writing checkpoint {temporary} failed ({problem}; {space_left(self.run_dir)}); {kept}. "
-            f"Free space or fix permissions, then relaunch",
-            speaker=self.rank == 0,
+            f"Free space or fix permissions, then relaunch"
         )
 
     def problem(self, path):
@@ -323,7 +323,7 @@ class Checkpointer:
 
     def refuse(self, message):
         """Every rank finds the same problem with a checkpoint; rank 0 says it."""
-        fail_on_every_rank(message, speaker=self.rank == 0)
+        fail(message) if self.rank == 0 else exit_after_the_speaker()
 
     def load(self, path, model, optimizer, scheduler, batches):
         """Restores a checkpoint written by save(); returns its trainer state."""

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from run.checkpoints import checkpoint_problem, save_error, save_errors, space_left
-from run.options import ConfigError, fail_on_every_rank
+from run.options import ConfigError, exit_after_the_speaker, fail
 
 
 def save_export(model, tokenizer, path):
@@ -51,7 +51,7 @@ def export_pretrained(model, plain_model, tokenizer, path, rank):
             ]
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
-        fail_on_every_rank(problem[0], speaker=rank == 0)
+        fail(problem[0]) if rank == 0 else exit_after_the_speaker()
 
 
 def export_checkpoint(path, rebuild, destination=None):

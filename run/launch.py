@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from run.checkpoints import checkpoint_step
 from run.guard import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
-from run.options import ConfigError, fail, fail_on_every_rank, launched_world_size
+from run.options import ConfigError, exit_after_the_speaker, fail, launched_world_size
 
 
 def check_machine_holds(args, meta_model):
@@ -264,7 +264,7 @@ def already_finished(args, resume_path, total_steps, run_dir, master):
             f"run {args.run_name} is at step {step} ({resume_path}), past its {total_steps} steps; raise "
             f"--max_steps to go on, or rewind with --resume_from=<an earlier step_N>"
         )
-        fail_on_every_rank(message, speaker=master)
+        fail(message) if master else exit_after_the_speaker()
     exported = os.path.isdir(os.path.join(run_dir, "final_model"))
     finished = not args.resume_from and step == total_steps and exported
     if finished and master:

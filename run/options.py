@@ -67,7 +67,8 @@ class ConfigError(ValueError):
 
 
 def report_config_error(error):
-    fail_on_every_rank(error, speaker=os.environ.get("LOCAL_RANK" if error.per_node else "RANK", "0") == "0")
+    speaker = os.environ.get("LOCAL_RANK" if error.per_node else "RANK", "0") == "0"
+    fail(error) if speaker else exit_after_the_speaker()
 
 
 def fail(message):
@@ -78,16 +79,13 @@ def fail(message):
 SPEAKER_WAIT_S = 30
 
 
-def fail_on_every_rank(message, speaker):
-    """An error every rank meets: the speaker says it, the others exit 2 without a word, after it. torchrun
-    ends every rank once one exits, so a silent rank that left first could end the speaker before its line
-    was out (seen under torchrun: a checkpoint of another shape refused with no line at all). So the silent
-    ones wait, die quietly when torchrun ends them, and exit by themselves after SPEAKER_WAIT_S."""
-    if speaker:
-        fail(message)
-    for number in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(ValueError):  # only the main thread sets handlers; it is the one here
-            signal.signal(number, signal.SIG_DFL)
+def exit_after_the_speaker():
+    """Exit status 2, without a word, for a rank that leaves an error every rank met to one rank to say.
+    torchrun ends every rank once one exits, so a silent rank that left first could end the speaker before
+    its line was out (seen under torchrun: a checkpoint of another shape refused with no line at all). So it
+    waits, dies quietly when torchrun ends it, and exits by itself after SPEAKER_WAIT_S."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     time.sleep(SPEAKER_WAIT_S)
     sys.exit(2)
 

@@ -16,7 +16,7 @@ import yaml
 from run.checkpoints import newest_checkpoint
 from run.guard import RankTimes, Stragglers, describe_straggler
 from run.heal import node_name, write_atomically, write_suspects
-from run.options import ConfigError, fail, fail_on_every_rank
+from run.options import ConfigError, exit_after_the_speaker, fail
 
 
 def describe_model(args, shape, model_config, meta_model):
@@ -118,11 +118,12 @@ class Progress:
                 flush=True,
             )
         if self.bad_steps >= self.args.max_bad_steps:
+            if not self.master:
+                exit_after_the_speaker()
             kept = newest_checkpoint(os.path.join(self.args.checkpoint_dir, self.args.run_name))
-            fail_on_every_rank(
+            fail(
                 f"stopping: {self.bad_steps} non-finite steps in a row (lower --lr or raise --warmup_steps); "
-                f"last good checkpoint: {kept or 'none written yet'}",
-                speaker=self.master,
+                f"last good checkpoint: {kept or 'none written yet'}"
             )
 
     def log(self, val_loss):
