@@ -139,10 +139,11 @@ if [ "$BENCHMARK_ONLY" != 1 ]; then
 fi
 
 if [ -n "${SLURM_JOB_ID:-}" ]; then
-  # the port comes from the job id so that two jobs sharing a node do not collide
+  # The port comes from the job id, so that two jobs sharing a node do not collide, and lies below the
+  # kernel's ephemeral ports (32768 and up), one of which an outgoing connection may hold on the first node.
   launcher=(srun "${srun_args[@]}" --nodes="${#nodes[@]}" --nodelist="$(IFS=,; echo "${nodes[*]}")"
             "$py" -m torch.distributed.run --nnodes="${#nodes[@]}" --nproc_per_node="$nproc"
-            --rdzv_backend=c10d --rdzv_endpoint="${nodes[0]}:$((20000 + SLURM_JOB_ID % 20000))"
+            --rdzv_backend=c10d --rdzv_endpoint="${nodes[0]}:$((10000 + SLURM_JOB_ID % 20000))"
             --rdzv_id="$SLURM_JOB_ID" --max-restarts="$TORCHRUN_MAX_RESTARTS")
 else
   launcher=("$py" -m torch.distributed.run --standalone --nproc_per_node="$nproc"

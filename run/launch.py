@@ -152,14 +152,11 @@ def release_run_lock(path):
 
 def setup_distributed(args, log_folder):
     """(device, rank, world size, device mesh), the process group started. A plain `python train.py` is a
-    process group of one, on a free port."""
+    process group of one that meets in memory: it needs no port, so none can be taken by another run."""
+    store = None
     if "RANK" not in os.environ:
-        port = os.environ.get("MASTER_PORT")
-        if port and not port_is_free(port):
-            fail(f"MASTER_PORT={port} is taken on this machine (another run?), or not a port; unset it, "
-                 f"and a plain run picks a free one")  # fmt: skip
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port or str(free_port()))
+        store = dist.HashStore()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cpu")
     if torch.cuda.is_available():
@@ -175,7 +172,6 @@ def setup_distributed(args, log_folder):
         check_compiler(device)
     if device.type == "cpu" and args.mixed_precision == "bf16" and rank == 0:
         warn_if_bf16_is_slow()
-    store = None
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # Workers restarted by torchrun --max-restarts meet in the same agent store as the failed attempt;
         # without a per-attempt prefix they would read the dead workers' addresses and hang.
@@ -190,21 +186,6 @@ def setup_distributed(args, log_folder):
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **options)
     mesh = device_mesh(args, device.type, world_size, int(os.environ["LOCAL_WORLD_SIZE"]))
     return device, rank, world_size, mesh
-
-
-def port_is_free(port):
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", int(port)))
-        except (OSError, ValueError, OverflowError):
-            return False
-    return True
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_compiler(device):

@@ -1,5 +1,7 @@
+import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -91,31 +93,32 @@ def validated(args):
     return options.validate(args, train_script.resolve_shape, train_script.parse_source)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def agreed_port():
+    """A free port for launches that must agree on one before they start. It lies below Linux's ephemeral
+    range (32768-60999), which bind(0) and outgoing connections draw from, so that no other launch's socket
+    takes it in the seconds before it is bound; and above the ports slurm_submit.sh gives its jobs."""
+    for port in random.sample(range(30000, 32768), 100):
+        with socket.socket() as probe:
+            with contextlib.suppress(OSError):
+                probe.bind(("127.0.0.1", port))
+                return port
+    raise RuntimeError("no free port in 30000-32767")
 
 
 def torchrun_command(script, args, nproc, torchrun_args=()):
-    """script under torchrun with nproc CPU processes, or as a plain process when nproc is 0."""
+    """script under torchrun with nproc CPU processes, or as a plain process when nproc is 0. --standalone
+    binds the rendezvous store to a port the kernel picks: a port found free beforehand can be taken by
+    another launch's store before torchrun binds it, and torchrun then joins that store as its client, and
+    stops its workers when that launch ends (a CI run failed so)."""
     if not nproc:
         return [sys.executable, str(REPO / script), *args]
-    return [
-        str(TORCHRUN),
-        "--nnodes=1",
-        f"--nproc_per_node={nproc}",
-        "--rdzv_backend=c10d",
-        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-        *torchrun_args,
-        str(REPO / script),
-        *args,
-    ]
+    launcher = [str(TORCHRUN), "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
+    return [*launcher, str(REPO / script), *args]
 
 
 def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
     command = torchrun_command(script, args, nproc)
-    full_env = {**os.environ, "MASTER_PORT": str(free_port()), **(env or {})}
+    full_env = {**os.environ, **(env or {})}
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -6,7 +6,6 @@ import ctypes
 import mmap
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from conftest import agreed_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -117,9 +117,7 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
 def test_two_nodes_measure_links_between_them_and_nvlink_within_each(tmp_path):
     """Two torchrun "nodes" on this machine, two ranks each: ping-pong and one-rank-per-node
     collectives between them, each node's own collectives within it."""
-    with socket.socket() as probe:  # a port nobody uses, so parallel test runs don't meet
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = agreed_port()  # both nodes are told it before either binds it
     command = [
         str(TORCHRUN),
         "--nnodes=2",

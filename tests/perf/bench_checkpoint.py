@@ -56,8 +56,8 @@ def main():
     parser.add_argument("--dir", default="checkpoints/bench")
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
-    dist.init_process_group("gloo")
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
 
     cfg = options.parse_args(

@@ -15,8 +15,6 @@ tokens/s (all ranks), MFU where the GPU's datasheet peak is known, and peak GPU 
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,12 +23,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_MODEL = ["--batch_size=8", "--global_batch_size=16", "--seq_length=128"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(args, nproc, folder):
@@ -47,9 +39,7 @@ def run(args, nproc, folder):
         "--checkpoint_every=100000",
         *args,
     ]
-    result = subprocess.run(
-        command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "MASTER_PORT": str(free_port())}
-    )
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"{' '.join(args)} failed:\n{result.stderr[-3000:]}")
     records = [
