@@ -25,6 +25,7 @@ from run import checkpoints, options  # noqa: E402
 
 def disk_write_gbps(folder, n_bytes, chunk=64 << 20):
     """Sequential write of n_bytes with one fsync at the end, as a checkpoint writer does."""
+    chunk = min(chunk, n_bytes)  # a small model's checkpoint is less than one chunk, and wrote nothing
     path = os.path.join(folder, "disk_probe.bin")
     buffer = os.urandom(chunk)
     start = time.perf_counter()
