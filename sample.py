@@ -8,6 +8,7 @@ output. Options are --name=value, as in train.py.
 """
 
 import os
+import pickle
 import sys
 import tempfile
 import types
@@ -17,6 +18,7 @@ import torch
 import train
 from run.export import export_checkpoint
 from run.options import ConfigError, convert, fail, print_help
+from run.safe_load import refused_weights
 
 # --help prints these options verbatim from this file; fmt: off keeps their comments aligned
 # fmt: off
@@ -63,6 +65,8 @@ def generate(cfg, folder):
 
     try:
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    except pickle.UnpicklingError as error:
+        raise ConfigError(refused_weights("--init_from", folder, error)) from None
     except (OSError, ValueError) as error:  # a broken config.json is a ValueError, missing weights an OSError
         raise ConfigError(
             f"--init_from={folder}: cannot load the model ({str(error).strip().splitlines()[0]}); it needs "
@@ -119,7 +123,9 @@ def main(argv):
         else:
             with tempfile.TemporaryDirectory() as scratch:
                 checkpoint = os.path.normpath(cfg.init_from)
-                generate(cfg, export_checkpoint(checkpoint, train.rebuild_model, f"{scratch}/model"))
+                generate(
+                    cfg, export_checkpoint(checkpoint, train.rebuild_model, f"{scratch}/model", "--init_from")
+                )
     except ConfigError as error:
         fail(error)
     return 0

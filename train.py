@@ -21,6 +21,7 @@ import gc
 import json
 import math
 import os
+import pickle
 import queue
 import sys
 import threading
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from run import export, guard, launch, options, prepare, run_log, simulation
+from run import export, guard, launch, options, prepare, run_log, safe_load, simulation
 from run.checkpoints import Checkpointer
 from run.options import ConfigError
 
@@ -695,9 +696,14 @@ def load_pretrained(model, name_or_path):
 
     weights = {}
     if dist.get_rank() == 0:
-        weights = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).state_dict()
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, weights, options=options)
+        try:
+            weights = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).state_dict()
+        except (
+            pickle.UnpicklingError
+        ) as error:  # the other ranks wait in the broadcast until torchrun ends them
+            options.fail(safe_load.refused_weights("--init_from", name_or_path, error))
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, weights, options=broadcast)
 
 
 def precision_policy(args):

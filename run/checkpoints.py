@@ -1,7 +1,8 @@
 """Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/, written under a temporary name and renamed once every
 rank has finished, so a folder named step_<N> is always complete. Its manifest.json holds a CRC-32 checksum
 of every other file, checked before any tensor is loaded; an unusable checkpoint is named and skipped for the
-one before it."""
+one before it. The checksums find accidents; run/safe_load.py keeps a deliberately changed file from running
+code."""
 
 import json
 import os
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from run.options import REWINDS, exit_after_the_speaker, fail
+from run.safe_load import UnsafeFile, load_file, load_sharded, metadata_problem
 
 MANIFEST = "manifest.json"
 
@@ -103,8 +105,8 @@ def save_errors():
 class Checkpointer:
     """Saves and restores everything an exact resume needs: model, optimizer, schedule, step, tokens
     seen, data position, RNG states and the config. Tensors go through torch.distributed.checkpoint;
-    the rest is JSON and a small per-rank file of RNG states and data position, read with
-    weights_only=True, so nothing is unpickled on load."""
+    the rest is JSON and a small per-rank file of RNG states and data position. Loading unpickles nothing
+    but plain data (run/safe_load.py)."""
 
     def __init__(self, args, shape, rank, world_size):
         self.args, self.shape, self.rank, self.world_size = args, shape, rank, world_size
@@ -325,6 +327,14 @@ class Checkpointer:
         """Every rank finds the same problem with a checkpoint; rank 0 says it."""
         fail(message) if self.rank == 0 else exit_after_the_speaker()
 
+    def load_safely(self, load, *args, **kwargs):
+        """A file that checkpoint_problem let through and that still holds more than plain data: its
+        tensors are checked only as they load. Every rank reads the shared files, so every rank refuses."""
+        try:
+            return load(*args, **kwargs)
+        except UnsafeFile as error:
+            self.refuse(f"not resuming: {error}")
+
     def load(self, path, model, optimizer, scheduler, batches):
         """Restores a checkpoint written by save(); returns its trainer state."""
         with open(os.path.join(path, "trainer_state.json")) as f:
@@ -346,13 +356,13 @@ class Checkpointer:
         full_file = os.path.join(path, "state_dict.pt")
         full = os.path.exists(full_file)
         if full:  # memory-mapped: the ranks of a node share one copy in the page cache
-            state = torch.load(full_file, weights_only=True, mmap=True)
+            state = self.load_safely(load_file, full_file, mmap=True)
         else:
             model_state, optimizer_state = model_and_optimizer_state(model, optimizer, full=False)
             state = {"model": model_state}
             if not self.args.skip_optimizer:
                 state["optimizer"] = optimizer_state
-            dcp.load(state, checkpoint_id=path)
+            self.load_safely(load_sharded, state, path)
         options = StateDictOptions(full_state_dict=full)
         if self.args.skip_optimizer:  # fresh optimizer; this run's schedule, at the resumed step
             set_model_state_dict(model, state["model"], options=options)
@@ -369,7 +379,7 @@ class Checkpointer:
             scheduler.load_state_dict(trainer_state["scheduler"])
         rank_file = os.path.join(path, f"rank{self.rank}.pt")
         if trainer_state["world_size"] == self.world_size:
-            rank_state = torch.load(rank_file, weights_only=True)
+            rank_state = self.load_safely(load_file, rank_file)
             restore_rng_states(rank_state["rng"])
             batches.load_state_dict(rank_state["data"])
         elif batches.position_per_rank:
@@ -413,7 +423,26 @@ def checkpoint_problem(path, rank=0, world_size=1):
                 problem = f"{file} does not match its checksum (corrupt)"
         if problem:
             break
+        problem = unsafe_file_problem(file)
+        if problem:
+            break
     return problem
+
+
+def unsafe_file_problem(file):
+    """Why a checkpoint file would be refused as more than plain data, checked before anything loads it:
+    DCP's metadata, and the pickles of torch.save, whose tensors load lazily (mmap): no data is read."""
+    name = os.path.basename(file)
+    try:
+        if name == ".metadata":
+            return metadata_problem(os.path.dirname(file))
+        if name.endswith(".pt"):
+            load_file(file, mmap=True)
+    except UnsafeFile as error:
+        return str(error)
+    except (OSError, RuntimeError, ValueError) as error:
+        return f"{file} is unreadable ({str(error).strip().splitlines()[0]})"
+    return None
 
 
 def manifest_problem(files):

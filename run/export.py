@@ -6,13 +6,12 @@ import os
 import shutil
 import warnings
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from run.checkpoints import checkpoint_problem, save_error, save_errors, space_left
 from run.options import ConfigError, exit_after_the_speaker, fail
+from run.safe_load import UnsafeFile, load_file, load_sharded
 
 
 def save_export(model, tokenizer, path):
@@ -54,7 +53,7 @@ def export_pretrained(model, plain_model, tokenizer, path, rank):
         fail(problem[0]) if rank == 0 else exit_after_the_speaker()
 
 
-def export_checkpoint(path, rebuild, destination=None):
+def export_checkpoint(path, rebuild, destination=None, option="--export_from"):
     """Any step_N checkpoint, of either format, as a transformers folder (by default export_step_N beside
     it): one process, no GPU, no process group. Its files are checked against their checksums first; then
     train.py's rebuild(options, shape), given the options and shape the checkpoint records, builds the model
@@ -63,23 +62,26 @@ def export_checkpoint(path, rebuild, destination=None):
     destination = destination or os.path.join(os.path.dirname(path), f"export_{os.path.basename(path)}")
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise ConfigError(
-            f"--export_from={path} is not a complete checkpoint (no trainer_state.json); "
+            f"{option}={path} is not a complete checkpoint (no trainer_state.json); "
             f"give a step_N folder of <checkpoint_dir>/<run_name>"
         )
     if problem := checkpoint_problem(path):
-        raise ConfigError(f"--export_from={path} is unusable: {problem}")
+        raise ConfigError(f"{option}={path} is unusable: {problem}")
     with open(os.path.join(path, "trainer_state.json")) as file:
         trainer_state = json.load(file)
     model, tokenizer = rebuild(trainer_state["config"], trainer_state["shape"])
     full_file = os.path.join(path, "state_dict.pt")
-    if os.path.exists(full_file):
-        state = torch.load(full_file, weights_only=True, mmap=True)["model"]
-    else:
-        model.to_empty(device="cpu")
-        state = model.state_dict()
-        with warnings.catch_warnings():  # one process, on purpose
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load({"model": state}, checkpoint_id=path, no_dist=True)
+    try:
+        if os.path.exists(full_file):
+            state = load_file(full_file, mmap=True)["model"]
+        else:
+            model.to_empty(device="cpu")
+            state = model.state_dict()
+            with warnings.catch_warnings():  # one process, on purpose
+                warnings.filterwarnings("ignore", "torch.distributed is disabled")
+                load_sharded({"model": state}, path, no_dist=True)
+    except UnsafeFile as error:
+        raise ConfigError(f"{option}={path}: {error}") from None
     model.load_state_dict(state, assign=True)
     try:
         save_export(model, tokenizer, destination)
