@@ -86,7 +86,10 @@ mixed_precision: str = "auto"       # bf16 (compute; fp32 weights and reduction)
 # Checkpoints and fault tolerance
 checkpoint_dir: str = "checkpoints"
 run_name: str | None = None         # None: derived from the arguments, so a relaunch or requeue resumes
-checkpoint_every: int = 500         # steps; a checkpoint is also written at the end and on SIGTERM/SIGUSR1
+checkpoint_every: int | str = 500   # steps; a checkpoint is also written at the end and on SIGTERM/SIGUSR1.
+                                    #   auto: Young/Daly's sqrt(2 x save time x MTBF) (docs/SLURM.md)
+node_mtbf_hours: float = 6335.0     # auto's mean time between failures of one node (Llama 3's rate), over
+                                    #   the number of nodes: 6,335 h = 2,048 nodes x 54 days / 419 stops
 keep_last: int = 3                  # older step_N folders are removed; 0 keeps all
 ckpt_format: str = "sharded"        # sharded (DCP, every rank writes its shard) | full (one file from rank 0)
 async_checkpoint: bool = False      # write in the background while training goes on
@@ -173,7 +176,7 @@ def main(argv):
 
     model.train()
     signals.start_training()
-    watchdog = guard.Watchdog(args, log_folder, rank, device, mesh)
+    watchdog = guard.Watchdog(args, log_folder, rank, device, mesh, progress.hung)
     profiler = guard.StepProfiler(args.profile_steps, log_folder, device, rank == 0)
     timed_batches = progress.timed(batches)
     first_step, stopped = progress.step + 1, False
@@ -189,18 +192,18 @@ def main(argv):
         scheduler.step()
         val_loss = None
         if validation_batches and args.eval_every and (step % args.eval_every == 0 or step == total_steps):
-            with watchdog.phase("evaluating"):
+            with watchdog.phase("evaluating"), progress.spending("eval_s"):
                 val_loss = evaluate(model, validation_batches(), args.eval_batches, world_size)
         if step % args.log_every == 0 or step == total_steps or val_loss is not None:
             progress.log(val_loss)
         stopped = stop and step < total_steps  # a signal at the last step changes nothing
-        if step % args.checkpoint_every == 0 or step == total_steps or stopped:
-            with watchdog.phase("writing a checkpoint"):
+        if progress.checkpoint_due(step) or step == total_steps or stopped:
+            with watchdog.phase("writing a checkpoint"), progress.spending("checkpoint_s"):
                 checkpointer.save(progress.trainer_state(), model, optimizer, scheduler, batches)
         if stopped:
             break
 
-    with watchdog.phase("writing the last checkpoint and model"):
+    with watchdog.phase("writing the last checkpoint and model"), progress.spending("checkpoint_s"):
         checkpointer.finish()
         if not stopped:
             export.export_pretrained(model, meta_model, tokenizer, os.path.join(run_dir, "final_model"), rank)

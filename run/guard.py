@@ -164,8 +164,15 @@ class Watchdog:
     (the first compiles) the limit is PG_TIMEOUT_FIRST_STEP; checkpoint writing and evaluation run under
     their own limits (phase)."""
 
-    def __init__(self, args, folder, rank, device, mesh):
-        self.args, self.rank, self.cuda, self.mesh = args, rank, device.type == "cuda", mesh
+    def __init__(self, args, folder, rank, device, mesh, on_hang):
+        """on_hang: called before the rank ends for a hang (the goodput ledger counts it)."""
+        self.args, self.rank, self.cuda, self.mesh, self.on_hang = (
+            args,
+            rank,
+            device.type == "cuda",
+            mesh,
+            on_hang,
+        )
         self.limits = {
             "evaluating": args.eval_limit_s,
             "writing a checkpoint": args.checkpoint_limit_s,
@@ -234,6 +241,7 @@ class Watchdog:
             f"({during}limit {limit:.0f} s)"
         )
         try:  # whatever fails here, the rank must still end
+            self.on_hang()
             if suspects := self.suspects():
                 line += "; waiting for " + ", ".join(f"{node} ({why})" for node, why in suspects.items())
             with open(self.path, "w") as file:

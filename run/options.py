@@ -28,7 +28,7 @@ CHOICES = {
 
 POSITIVE = ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_every", "checkpoint_every",
             "max_bad_steps", "ac_every", "gpus_per_node", "eval_batches", "hang_minimum_s", "hang_factor",
-            "checkpoint_limit_s", "eval_limit_s", "lr")  # fmt: skip
+            "checkpoint_limit_s", "eval_limit_s", "lr", "node_mtbf_hours")  # fmt: skip
 
 NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last", "exclude_stragglers_after")
 
@@ -42,7 +42,7 @@ OPERATIONAL = {
     "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
     "prepare_only", "eval_every", "eval_batches", "world_size", "gpus_per_node", "gpu", "hang_minimum_s",
     "hang_factor", "checkpoint_limit_s", "eval_limit_s", "profile_steps", "max_steps", "num_epochs", "wandb",
-    "plot", "export_from", "check_only", "exclude_stragglers_after", "curves",
+    "plot", "export_from", "check_only", "exclude_stragglers_after", "curves", "node_mtbf_hours",
 }  # fmt: skip
 
 
@@ -136,21 +136,24 @@ BOOLEANS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0",
 
 
 def convert(name, value, hint, where):
-    """value: a flag's text, or a YAML value, typed already or text read the way a flag is."""
-    allows_none = isinstance(hint, types.UnionType)
-    kind = next(t for t in getattr(hint, "__args__", (hint,)) if t is not type(None))
+    """value: a flag's text, or a YAML value, typed already or text read the way a flag is. A union takes the
+    first of its types that reads the value (int | str: 500 is a number, auto a word)."""
+    kinds = [t for t in getattr(hint, "__args__", (hint,)) if t is not type(None)]
+    allows_none = type(None) in getattr(hint, "__args__", ())
     if allows_none and (value is None or isinstance(value, str) and value.lower() == "none"):
         return None
-    converted = value
-    if isinstance(value, str) and kind is bool:
-        converted = BOOLEANS.get(value.lower(), value)
-    elif isinstance(value, str):
-        with contextlib.suppress(ValueError):
-            converted = kind(value)
-    if type(converted) is kind or kind is float and type(converted) is int:
-        if kind is not float or math.isfinite(converted):
-            return kind(converted)
-    expected = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}[kind]
+    for kind in kinds:
+        converted = value
+        if isinstance(value, str) and kind is bool:
+            converted = BOOLEANS.get(value.lower(), value)
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                converted = kind(value)
+        if type(converted) is kind or kind is float and type(converted) is int:
+            if kind is not float or math.isfinite(converted):
+                return kind(converted)
+    names = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
+    expected = " or ".join(names[kind] for kind in kinds)
     raise ConfigError(f"{where}{name} expects {expected}{' or none' if allows_none else ''}, got {value!r}")
 
 
@@ -201,8 +204,12 @@ def check_ranges(args, shape):
     """Each value out of range is its own line, all of them at once."""
     problems = [f"--{name} must be positive, got {getattr(shape, name)}" for name in shape.names
                 if getattr(shape, name) <= 0]  # fmt: skip
+    if args.checkpoint_every != "auto" and not isinstance(args.checkpoint_every, int):
+        problems.append(
+            f"--checkpoint_every must be a number of steps or auto, got {args.checkpoint_every!r}"
+        )
     problems += [f"--{name} must be positive, got {getattr(args, name)}" for name in POSITIVE
-                 if getattr(args, name) <= 0]  # fmt: skip
+                 if isinstance(getattr(args, name), (int, float)) and getattr(args, name) <= 0]  # fmt: skip
     problems += [f"--{name} must not be negative, got {getattr(args, name)}" for name in NOT_NEGATIVE
                  if getattr(args, name) < 0]  # fmt: skip
     if not 0 < args.val_fraction < 1:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from run import goodput
 from run.checkpoints import newest_checkpoint
 from run.guard import RankTimes, Stragglers, describe_straggler
 from run.heal import node_name, write_atomically, write_suspects
@@ -72,6 +73,14 @@ class Progress:
 
         self.stragglers = Stragglers(names, args.exclude_stragglers_after, exclude)
         self.run_log = RunLog(args, folder) if self.master else None
+        benchmark_s = float(os.environ.get("BENCHMARK_SECONDS", 0))  # the job's benchmark phase, before it
+        self.ledger = goodput.Ledger(folder, goodput.launch_start(), benchmark_s) if self.master else None
+        nodes = self.world_size // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        write_GBps = goodput.benchmark_write_GBps() if args.checkpoint_every == "auto" else None
+        n_params = flops_per_token / 6  # 6·N plus attention: an upper bound, for the first save's estimate
+        self.checkpoints = goodput.CheckpointInterval(
+            args.checkpoint_every, n_params, nodes, args.node_mtbf_hours, write_GBps
+        )
         self.first_step_end, self.step_seconds = None, 0.0
         self.log_window = self.new_log_window()
 
@@ -87,9 +96,33 @@ class Progress:
 
     @contextlib.contextmanager
     def timing(self):
+        if self.master:
+            self.ledger.step_started()
         started = time.perf_counter()
         yield
         self.step_seconds = time.perf_counter() - started
+
+    @contextlib.contextmanager
+    def spending(self, part):
+        """Times a phase of the loop outside the steps (eval_s, checkpoint_s) for the goodput ledger."""
+        started = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - started
+        if part == "checkpoint_s":
+            self.checkpoints.saved(self.step, seconds)
+        if self.master:
+            self.ledger.spent(part, seconds)
+            if part == "checkpoint_s":
+                self.ledger.checkpointed(self.step)
+            self.ledger.write()
+
+    def checkpoint_due(self, step):
+        return self.checkpoints.due(step)
+
+    def hung(self):
+        """The watchdog's: the time since the ledger's last update went to a hang."""
+        if self.master:
+            self.ledger.stalled()
 
     def new_log_window(self):
         if self.device.type == "cuda":
@@ -99,6 +132,10 @@ class Progress:
     def step_done(self, step, loss, grad_norm, lr):
         self.step, self.grad_norm, self.lr = step, grad_norm, lr
         self.tokens_seen += self.tokens_per_step
+        if self.master:
+            if self.first_step_end is None:
+                self.ledger.resumed_at(step - 1, self.step_seconds)
+            self.ledger.step_done(step, self.step_seconds)
         # The ETA counts from the first step's end: evaluation and checkpoints in, compiling out.
         if self.first_step_end is None:
             self.first_step_end, self.first_step = time.perf_counter(), step
@@ -133,9 +170,23 @@ class Progress:
         if self.master:
             record = self.record(val_loss)
             record.update(self.stragglers.log_window(timings, self.log_window["timed"]))
+            self.ledger.write()
             print(log_line(record, self.total_steps), flush=True)
             self.run_log.write(record)
+        if self.checkpoints.auto and self.log_window["timed"]:
+            self.choose_checkpoint_interval()
         self.log_window = self.new_log_window()
+
+    def choose_checkpoint_interval(self):
+        """Rank 0 chooses from its step time and its last save; every rank takes its choice."""
+        decision = [None]
+        if self.master:
+            steps, changed = self.checkpoints.choose(self.log_window["seconds"] / self.log_window["timed"])
+            decision = [steps]
+            if changed:
+                print(self.checkpoints.describe(), flush=True)
+        dist.broadcast_object_list(decision, src=0)
+        self.checkpoints.steps = decision[0]
 
     def record(self, val_loss):
         timed, seconds, now = self.log_window["timed"], self.log_window["seconds"], time.perf_counter()
@@ -166,6 +217,10 @@ class Progress:
     def close(self, stopped):
         if not self.master:
             return
+        self.ledger.write()
+        figures = self.ledger.figures(time.time())
+        self.run_log.scalars({f"goodput/{key}": value for key, value in figures.items()}, self.step)
+        print(self.ledger.summary(), flush=True)
         if stopped:
             print(
                 f"stopped by signal after step {self.step}; checkpoint saved, relaunch to resume", flush=True
@@ -244,15 +299,17 @@ class RunLog:
                 self.metrics.flush()
             except OSError as error:  # a full log disk must not end a run whose checkpoints are elsewhere
                 self.stop_writing(error)
-        scalars = {
-            f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}": value
-            for key, value in record.items()
-            if key != "step" and isinstance(value, (int, float))
-        }
-        for key, value in scalars.items() if self.writer is not None else ():
-            self.writer.add_scalar(key, value, record["step"])
+        scalars = {f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}": value
+                   for key, value in record.items() if key != "step"}  # fmt: skip
+        self.scalars(scalars, record["step"])
+
+    def scalars(self, values, step):
+        """TensorBoard and W&B: the numbers among values."""
+        values = {key: value for key, value in values.items() if isinstance(value, (int, float))}
+        for key, value in values.items() if self.writer is not None else ():
+            self.writer.add_scalar(key, value, step)
         if self.wandb is not None:
-            self.wandb.log(scalars, step=record["step"])
+            self.wandb.log(values, step=step)
 
     def stop_writing(self, error):
         print(f"warning: cannot write {self.metrics.name} ({error.strerror}); the run's records stop here, "

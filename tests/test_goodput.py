@@ -1,0 +1,91 @@
+"""Goodput: a run's ledger of where its time went, across launches (goodput.json), on real runs that are
+killed, stopped and relaunched; and the checkpoint interval of --checkpoint_every=auto."""
+
+import json
+import math
+import re
+import signal
+
+import pytest
+from conftest import TINY, run_training, run_until
+
+from run import goodput
+
+RUN = [*TINY, "--seq_length=32", "--max_steps=16", "--checkpoint_every=5", "--run_name=g"]
+
+
+def ledger(folder):
+    return json.loads((folder / "g" / goodput.LEDGER).read_text())
+
+
+def assert_adds_up(figures):
+    parts = sum(figures[part] for part in goodput.PARTS)
+    assert parts + figures["other_s"] == pytest.approx(figures["wall_s"])
+    assert 0 <= figures["other_s"] <= 0.02 * figures["wall_s"], figures  # what no part names is small
+    assert figures["effective_training_time"] == pytest.approx(figures["productive_s"] / figures["wall_s"])
+
+
+@pytest.mark.parametrize("number", [signal.SIGKILL, signal.SIGTERM])
+def test_a_relaunch_counts_exactly_the_steps_it_lost(tmp_path, number):
+    """SIGKILL between checkpoints loses the steps after the last; SIGTERM saves first and loses none."""
+    args = [f"--checkpoint_dir={tmp_path}", *RUN]
+    status, output = run_until(args, tmp_path, 7, number)
+    assert status != 0, output
+    before = ledger(tmp_path)
+    reached = before["marks"]["step"]  # the last step the killed launch recorded
+    assert reached >= 7
+    resumed = run_training(tmp_path, *RUN)
+    checkpoint = int(re.search(r"resumed from \S+/step_(\d+) at step", resumed.stdout).group(1))
+    after = ledger(tmp_path)
+    assert after["launches"] == 2
+    if number == signal.SIGKILL:
+        assert checkpoint == 5
+        assert after["lost_steps"] == reached - checkpoint > 0
+        assert after["lost_s"] > 0
+    else:
+        assert checkpoint == reached
+        assert after["lost_steps"] == 0 and after["lost_s"] == 0
+    assert after["waiting_s"] > 0  # from the first launch's last update to the relaunch
+    assert after["checkpoint_s"] > before["checkpoint_s"] > 0 and after["startup_s"] > before["startup_s"]
+    assert_adds_up(after)
+    [line] = [line for line in resumed.stdout.splitlines() if line.startswith("effective training time ")]
+    assert line.startswith(f"effective training time {100 * after['effective_training_time']:.1f}"[:-1])
+    if number == signal.SIGKILL:
+        assert "% to restarts" in line
+
+
+def test_young_daly_interval_as_computed_by_hand():
+    # a 30 s save, 6,335 h between failures of one node, 4 nodes: M = 5,701,500 s,
+    # T = sqrt(2 x 30 x 5,701,500) = 18,495.4 s, which is 9,248 steps of 2 s
+    interval = goodput.CheckpointInterval("auto", 1e9, 4, 6335.0, 1.0)
+    interval.saved(100, 30.0)
+    assert interval.choose(2.0) == (9248, True)
+    assert interval.choose(2.0) == (9248, False)
+    assert not interval.due(100 + 9247) and interval.due(100 + 9248)
+    # before any save: 1e9 parameters x 12 bytes at 1 GB/s = 12 s
+    assert goodput.CheckpointInterval("auto", 1e9, 4, 6335.0, 1.0).choose(2.0)[0] == round(
+        math.sqrt(2 * 12 * 5_701_500) / 2
+    )
+    fixed = goodput.CheckpointInterval(500, 1e9, 4, 6335.0, None)
+    assert fixed.due(1000) and not fixed.due(1001)
+
+
+def test_auto_interval_is_chosen_by_rank_0_and_followed_by_every_rank(tmp_path):
+    """A failure every 3.6 s of one node makes the interval a few steps: both ranks save where rank 0 says."""
+    result = run_training(
+        tmp_path,
+        *RUN,
+        "--checkpoint_every=auto",
+        "--node_mtbf_hours=0.001",
+        "--max_steps=20",
+        "--keep_last=0",
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("checkpoint interval: every ")]
+    assert lines, result.stdout[-3000:]
+    chosen = {int(re.search(r"every (\d+) steps", line).group(1)) for line in lines}
+    saved = sorted(int(path.name[5:]) for path in (tmp_path / "g").glob("step_*"))
+    periodic = [step for step in saved if step != 20]  # the last step is always saved
+    assert len(periodic) >= 2
+    # each save came the chosen number of steps after the one before (the first: after the start)
+    assert {later - earlier for earlier, later in zip([0, *periodic], periodic)} <= chosen, (saved, lines)
+    assert_adds_up(ledger(tmp_path))
