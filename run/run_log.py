@@ -372,14 +372,18 @@ def plot_curves(folder):
         logged = [r for r in records if r.get(key) is not None]
         return [r["step"] for r in logged], [r[key] for r in logged]
 
-    figure, axes = plt.subplots(2, 2, figsize=(12, 7.5), sharex=True)
+    layout = [["loss", "lr"], ["tokens", "mfu"], ["goodput", "goodput"]]
+    figure, named = plt.subplot_mosaic(layout, figsize=(12, 9), height_ratios=[1, 1, 0.35])
+    curves = [named[name] for name in ("loss", "lr", "tokens", "mfu")]
+    for axis in curves[1:]:
+        axis.sharex(curves[0])
     panels = [
         ("loss", [("loss", "training"), ("val_loss", "validation")]),
         ("learning rate", [("lr", None)]),
         ("tokens/s (all devices)", [("tokens_per_s", None)]),
         ("MFU", [("mfu", None)]),
     ]
-    for axis, (title, keys) in zip(axes.flat, panels):
+    for axis, (title, keys) in zip(curves, panels):
         axis.set_title(title)
         axis.grid(alpha=0.3)
         for key, label in keys:
@@ -392,11 +396,12 @@ def plot_curves(folder):
             axis.text(0.5, 0.5, empty, ha="center", va="center", transform=axis.transAxes, color="gray")
         elif len(keys) > 1:
             axis.legend()
-    axes[0, 1].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
-    axes[1, 0].set_ylim(bottom=0)  # a small dip must not look like a collapse
-    axes[1, 1].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
-    for axis in axes[1]:
+    named["lr"].ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    named["tokens"].set_ylim(bottom=0)  # a small dip must not look like a collapse
+    named["mfu"].yaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    for axis in curves[2:]:
         axis.set_xlabel("step")
+    plot_goodput(named["goodput"], os.path.join(folder, goodput.LEDGER))
     figure.suptitle(f"{os.path.basename(os.path.abspath(folder))}: {records[-1]['step']} steps")
     figure.tight_layout()
     path = os.path.join(folder, "curves.png")
@@ -411,6 +416,33 @@ def plot_curves(folder):
     finally:
         plt.close(figure)
     return path
+
+
+def plot_goodput(axis, path):
+    """One bar: the run's wall time split as goodput.json splits it."""
+    from matplotlib.ticker import PercentFormatter
+
+    try:
+        with open(path) as file:
+            figures = json.load(file)
+        shares = {part: figures[part] / figures["wall_s"] for part in ("productive_s", *goodput.SHOWN)}
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        shares = {}
+    axis.set_title(
+        f"where the run's {duration(figures['wall_s'])} went (goodput.json)" if shares else "goodput"
+    )
+    left = 0.0
+    for part, share in shares.items():
+        label = "training" if part == "productive_s" else goodput.SHOWN[part]
+        axis.barh(0, share, left=left, label=f"{label} {100 * share:.1f}%" if share >= 5e-4 else None)
+        left += max(share, 0.0)
+    if not shares:
+        axis.text(0.5, 0.5, "not measured", ha="center", va="center", transform=axis.transAxes, color="gray")
+    axis.set_xlim(0, 1)
+    axis.set_yticks([])
+    axis.xaxis.set_major_formatter(PercentFormatter(1.0))
+    if shares:
+        axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, frameon=False)
 
 
 def plot_run(folder):
