@@ -219,6 +219,8 @@ def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
         and reported_at - stopped_at < limit + heal.SILENT_S + 2 * heal.HEARTBEAT_S
     )
     assert process.returncode != 0
+    # the goodput ledger counts the hang, from its last update (step 8's log window) to the watchdog's line
+    assert json.loads((run / "goodput.json").read_text())["stalled_s"] >= limit - 1
     # The thread running main() waits in a collective.
     threads = stack_file.read_text().split("\n\n")
     main_thread = next(t for t in threads if re.search(r'train\.py", line \d+ in main', t))
