@@ -55,6 +55,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from checks import history, picture
+
 GB = 1e9
 MiB = 1 << 20
 SECTIONS = ("gpu", "nccl", "links", "storage", "cpu", "memory")
@@ -1428,7 +1430,13 @@ def argument_parser():
     parser.add_argument(
         "--fail_on_warn",
         action="store_true",
-        help="warnings (CPU and host-memory stragglers, slow ranks) fail the verdict too",
+        help="warnings (CPU and host-memory stragglers, slow ranks) fail the verdict too; a node slower "
+        "than its own history only warns",
+    )
+    parser.add_argument(
+        "--history",
+        action="store_true",
+        help=f"print each node's figures over its runs (<report_dir>/{history.HISTORY_FILE}), then exit",
     )
     return parser
 
@@ -1449,6 +1457,7 @@ def parse_args(argv=None):
         "nic_gbps": args.nic_gbps,
         "min_storage_GBps": args.min_storage_GBps,
         "fail_on_warn": args.fail_on_warn,
+        "history": args.history,
     }
     cfg.update({key: value for key, value in vars(args).items() if key in cfg and value is not None})
     validate(cfg, args, parser)
@@ -1634,6 +1643,9 @@ def node_report(report: dict, node: str) -> dict:
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
+    if cfg["history"]:
+        print(history.trend_table(history.read_history(Path(cfg["report_dir"]) / history.HISTORY_FILE)))
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # scancel: still remove the test files
     started = time.perf_counter()
     world = start_world()
@@ -1670,9 +1682,15 @@ def main(argv=None) -> int:
             node = f"node{world.node_rank} ({local['node_name']})"
             write_yaml(path.with_name(f"{path.stem}_rank{world.rank}.yaml"), node_report(report, node))
         if world.rank == 0:
+            history_path = path.parent / history.HISTORY_FILE
+            earlier = history.read_history(history_path)
+            history.judge_against_history(report, earlier)
             write_yaml(path, report)
+            drawn = path.with_suffix(".png")
+            picture.draw(report, str(drawn))
+            history.append(history_path, report, earlier)
             print_table(report["checks"])
-            print(f"verdict: {report['verdict']} in {job['seconds']:.1f} s; report: {path}")
+            print(f"verdict: {report['verdict']} in {job['seconds']:.1f} s; report: {path}; picture: {drawn}")
             if cfg["suspects_folder"]:
                 write_suspects(cfg["suspects_folder"], report["checks"])
         return 1 if report["verdict"] == "fail" else 0

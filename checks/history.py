@@ -1,0 +1,156 @@
+"""Each node against its own history. GPUs, HBM and links degrade before they fail: a node that lost a
+tenth of its speed since last week still clears the absolute floors and matches peers that are no faster.
+Every report's per-node and per-GPU figures are appended to one history file (<report dir>/
+benchmark_history.jsonl, rewritten whole under a temporary name), keyed by node name and GPU index. A new
+report compares each figure with the median of the same node's last HISTORY_RUNS runs; a drop beyond
+HISTORY_DROP is a warning that names the node, the figure, today's value and its usual one. It never fails
+a job: the floors do that."""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+HISTORY_FILE = "benchmark_history.jsonl"
+HISTORY_RUNS = 5  # a node's usual value: the median of its last 5 runs
+# Above the run-to-run noise the benchmark measures on a healthy node: a GPU's sustained loops and a node's
+# CPU and memory figures repeat within a few percent; a shared filesystem's within a quarter (other jobs
+# write to it too). Runs compare with earlier runs of the same mode (quick or default) alone.
+HISTORY_DROP = {"gpu": 0.10, "cpu": 0.10, "memory": 0.10, "storage": 0.25}
+TRACKED = {
+    "gpu": ("matmul_bf16_TFLOPS", "copy_GB/s"),
+    "storage": ("parallel_write_GB/s", "parallel_read_GB/s", "sequential_write_GB/s", "sequential_read_GB/s"),
+    "cpu": ("all_core_ops/s", "single_core_ops/s", "matmul_fp32_GFLOPS"),
+    "memory": ("copy_all_cores_GB/s", "triad_all_cores_GB/s"),
+}
+
+
+def host_of(report, label):
+    """A node's name as SLURM knows it ('n3'), from the report's label ('node2 (n3)')."""
+    return report["nodes"].get(label, {}).get("hostname", label)
+
+
+def entries(report):
+    """The report's figures as history entries: {"node", "gpu" (index or None), "figure", "value"}."""
+    members = []  # (node label, gpu index, section, figures)
+    for label, gpu in (report.get("gpu") or {}).items():
+        if isinstance(gpu, dict) and "/gpu" in label:
+            node, index = label.rsplit("/gpu", 1)
+            members.append((node, int(index), "gpu", gpu))
+    for section in ("storage", "cpu", "memory"):
+        for label, figures in (report.get(section) or {}).items():
+            if label in report.get("nodes", {}) and isinstance(figures, dict):
+                members.append((label, None, section, figures))
+    return [
+        {"node": host_of(report, label), "gpu": gpu, "figure": f"{section} {key}", "value": figures[key]}
+        for label, gpu, section, figures in members
+        for key in TRACKED[section]
+        if isinstance(figures.get(key), (int, float))
+    ]
+
+
+def read_history(path):
+    """The history's lines, oldest first; a damaged line is skipped with a warning, never a crash."""
+    lines = []
+    try:
+        with open(path) as file:
+            for number, line in enumerate(file, 1):
+                try:
+                    record = json.loads(line)
+                    if not (isinstance(record, dict) and isinstance(record.get("figures"), list)):
+                        raise ValueError("not a report's figures")
+                    lines.append(record)
+                except ValueError as error:
+                    print(f"warning: {path} line {number} is damaged ({error}); skipped", file=sys.stderr)
+    except FileNotFoundError:
+        pass
+    return lines
+
+
+def usual_values(history, mode):
+    """(node, gpu, figure) -> the median of its last HISTORY_RUNS values in runs of this mode."""
+    series = {}
+    for record in (r for r in history if r.get("mode") == mode):
+        for entry in record["figures"]:
+            try:
+                key = (entry["node"], entry["gpu"], entry["figure"])
+                series.setdefault(key, []).append(float(entry["value"]))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return {key: statistics.median(values[-HISTORY_RUNS:]) for key, values in series.items()}
+
+
+def describe(node, gpu):
+    return f"{node} gpu{gpu}" if gpu is not None else node
+
+
+def history_checks(report, history):
+    """One warn per figure that fell more than HISTORY_DROP below its node's usual value; a pass, or a skip
+    when no node has a history yet."""
+    usual = usual_values(history, report.get("job", {}).get("mode"))
+    drops, compared = [], 0
+    for entry in entries(report):
+        before = usual.get((entry["node"], entry["gpu"], entry["figure"]))
+        if before is None or before <= 0:
+            continue
+        compared += 1
+        drop = HISTORY_DROP[entry["figure"].split()[0]]
+        if entry["value"] < (1 - drop) * before:
+            where = describe(entry["node"], entry["gpu"])
+            change = 100 * (entry["value"] / before - 1)
+            drops.append({
+                "status": "warn", "check": f"history {where} {entry['figure']}",
+                "value": f"{entry['value']:.4g}, usually {before:.4g} ({change:+.0f}%)",
+                "reference": f">= {100 * (1 - drop):.0f}% of its last {HISTORY_RUNS} runs' median",
+            })  # fmt: skip
+    if drops:
+        return drops
+    status, value = (
+        ("pass", f"{compared} figures near their usual") if compared else ("skip", "no history yet")
+    )
+    limits = ", ".join(f"{section} {drop:.0%}" for section, drop in HISTORY_DROP.items())
+    return [{"status": status, "check": "history", "value": value, "reference": f"drops within {limits}"}]
+
+
+def append(path, report, history):
+    """The history with this report's figures added, written whole under a temporary name, then renamed."""
+    job = report.get("job", {})
+    record = {"time": time.time(), "job": job.get("id"), "mode": job.get("mode"), "figures": entries(report)}
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as file:
+        file.writelines(json.dumps(line) + "\n" for line in [*history, record])
+    os.replace(temporary, path)
+
+
+def trend_table(history):
+    """benchmark.py --history: each node's figures over its runs, oldest to newest, and the last change."""
+    rows, series = [], {}
+    for record in history:
+        for entry in record["figures"]:
+            if isinstance(entry, dict) and isinstance(entry.get("value"), (int, float)):
+                key = (describe(entry.get("node"), entry.get("gpu")), entry.get("figure"))
+                series.setdefault(key, []).append(entry["value"])
+    for (where, figure), values in sorted(series.items(), key=lambda item: str(item[0])):
+        recent = values[-HISTORY_RUNS:]
+        before = values[:-1][-HISTORY_RUNS:]
+        change = f"{100 * (values[-1] / statistics.median(before) - 1):+.0f}%" if before else "-"
+        rows.append((where, figure, " ".join(f"{v:.4g}" for v in recent), change))
+    if not rows:
+        return "no history yet"
+    header = ("NODE", "FIGURE", f"LAST {HISTORY_RUNS} RUNS (oldest first)", "LATEST vs MEDIAN BEFORE")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3]
+        for row in [header, *rows]
+    )
+
+
+def judge_against_history(report, history):
+    """Adds the history's checks to the report. A drop makes a passing verdict a warning, and never fails the
+    job, --fail_on_warn included: the absolute floors decide that."""
+    checks = history_checks(report, history)
+    order = {"fail": 0, "warn": 1, "pass": 2, "skip": 3}
+    report["checks"] = sorted(report["checks"] + checks, key=lambda c: order[c["status"]])
+    if report["verdict"] == "pass" and any(c["status"] == "warn" for c in checks):
+        report["verdict"] = "warn"
