@@ -142,7 +142,8 @@ class Ledger:
                   file=sys.stderr, flush=True)  # fmt: skip
 
     def summary(self):
-        figures = self.figures(time.time())
+        """The end-of-launch line, from the figures last written."""
+        figures = self.figures(self.marks["updated"])
         share = {part: figures[part] / figures["wall_s"] for part in SHOWN} if figures["wall_s"] > 0 else {}
         parts = ", ".join(
             f"{100 * value:.1f}% to {SHOWN[part]}" for part, value in share.items() if value >= 5e-4

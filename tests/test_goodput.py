@@ -49,7 +49,7 @@ def test_a_relaunch_counts_exactly_the_steps_it_lost(tmp_path, number):
     assert after["checkpoint_s"] > before["checkpoint_s"] > 0 and after["startup_s"] > before["startup_s"]
     assert_adds_up(after)
     [line] = [line for line in resumed.stdout.splitlines() if line.startswith("effective training time ")]
-    assert line.startswith(f"effective training time {100 * after['effective_training_time']:.1f}"[:-1])
+    assert line.startswith(f"effective training time {100 * after['effective_training_time']:.1f}%: lost ")
     if number == signal.SIGKILL:
         assert "% to restarts" in line
 
