@@ -7,6 +7,7 @@ import glob
 import hashlib
 import json
 import os
+import stat
 from datetime import timedelta
 
 import numpy as np
@@ -34,9 +35,26 @@ def token_dtype(tokenizer):
 
 
 def corpus_files(path):
-    return (
-        [path] if os.path.isfile(path) else sorted(glob.glob(os.path.join(path, "**", "*.*"), recursive=True))
-    )
+    """The corpus's files: path itself, or the files under the folder. Anything but a regular file is refused
+    before it is opened: a named pipe's open would wait forever for a writer."""
+    found = [path] if not os.path.isdir(path) else glob.glob(os.path.join(path, "**", "*.*"), recursive=True)
+    found = [name for name in found if name == path or not os.path.isdir(name)]
+    for name in found:
+        kind = not_a_regular_file(name)
+        if kind:
+            raise ConfigError(f"--data: {name} is {kind}, not a regular file; remove it from the corpus")
+    return sorted(found)
+
+
+def not_a_regular_file(path):
+    """What the path is when it is not a regular file (a link is judged by what it points to), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link" if os.path.islink(path) else "missing"
+    kinds = {stat.S_ISFIFO: "a named pipe", stat.S_ISSOCK: "a socket", stat.S_ISCHR: "a character device",
+             stat.S_ISBLK: "a block device"}  # fmt: skip
+    return next((kind for test, kind in kinds.items() if test(mode)), None)
 
 
 def check_text_file(path):
@@ -67,9 +85,9 @@ def check_text_file(path):
             lines += chunk.count(b"\n")
 
 
-def unreadable_file(files, extension):
-    """Why datasets could not read the corpus: its first file that does not parse, with the line of a
-    JSON-lines file; None when every file parses."""
+def unreadable_file(files, extension, column):
+    """Why datasets could not read the corpus, or read it with records that hold no text: its first file that
+    does not parse, or the line of a JSON-lines file whose text field is not text; None when all is well."""
     import pyarrow.parquet as pq
 
     for path in files:
@@ -87,11 +105,22 @@ def unreadable_file(files, extension):
                 file.seek(0)
             for number, line in enumerate(file, 1):
                 try:
-                    if line.strip():
-                        json.loads(line)
+                    record = json.loads(line) if line.strip() else {column: ""}
                 except ValueError as error:
                     return f"{path} line {number} is not a JSON record ({error})"
+                text = record.get(column, "missing") if isinstance(record, dict) else "not a record"
+                if not isinstance(text, str) or text == "missing" and column not in record:
+                    kinds = {str: text, type(None): "null", bool: "true or false", int: "a number",
+                             float: "a number", list: "a list", dict: "an object"}  # fmt: skip
+                    kind = kinds.get(type(text), type(text).__name__)
+                    return f"{path} line {number} has no text in its '{column}' field ({kind})"
     return None
+
+
+def holds_non_text(split, column):
+    """Whether a loaded JSON corpus's text column holds anything but strings (nulls, numbers)."""
+    feature = split.features[column]
+    return getattr(feature, "dtype", None) != "string" or split.data.column(column).null_count > 0
 
 
 def load_document_splits(args, kind, name, config):
@@ -125,12 +154,15 @@ def load_document_splits(args, kind, name, config):
         try:
             splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=cache_dir)
         except Exception:
-            if formats[0] == ".txt" or not (why := unreadable_file(files, formats[0])):
+            if formats[0] == ".txt" or not (why := unreadable_file(files, formats[0], args.text_column)):
                 raise
             raise ConfigError(f"--data: {why}; fix or remove it") from None
         finally:
             datasets_logging.set_verbosity(verbosity)
         check_text_column(args, splits["train"].column_names)
+        if formats[0] != ".txt" and any(holds_non_text(split, args.text_column) for split in splits.values()):
+            why = unreadable_file(files, formats[0], args.text_column) or "a record holds no text"
+            raise ConfigError(f"--data: {why}; fix or remove the line")
     if "validation" not in splits:
         if splits["train"].num_rows < 2:
             raise ConfigError(

@@ -3,6 +3,7 @@
 import functools
 import json
 import math
+import os
 import random
 import signal
 from types import SimpleNamespace
@@ -291,6 +292,21 @@ def write_files(root, layout):
             "a.jsonl line 6 is not a JSON record",
         ),
         (
+            {"docs/a.jsonl": '{"text": "the cat sees a dog ."}\n' * 5 + '{"text": null}\n'},
+            ["--data=docs"],
+            "a.jsonl line 6 has no text in its 'text' field (null); fix or remove the line",
+        ),
+        (
+            {"docs/a.jsonl": '{"text": "the cat sees a dog ."}\n' * 5 + '{"text": 5}\n'},
+            ["--data=docs"],
+            "a.jsonl line 6 has no text in its 'text' field (a number)",
+        ),
+        (
+            {"docs/a.jsonl": '{"text": "the cat sees a dog ."}\n' * 5 + '{"body": "a dog"}\n'},
+            ["--data=docs"],
+            "a.jsonl line 6 has no text in its 'text' field (missing); fix or remove the line",
+        ),
+        (
             {"cut/a.parquet": b"PAR1" + bytes(100)},
             ["--data=cut"],
             "a.parquet is not a readable parquet file",
@@ -321,6 +337,21 @@ def test_bad_corpus_is_one_clear_line(tmp_path, tokenizer_dir, layout, args, mes
     assert message in err.strip().splitlines()[-1], err
     assert err.count("error:") == 1 and "Traceback" not in err, err
     assert not list(tmp_path.rglob("*.tmp")), "a refused corpus leaves no temporary file"
+
+
+@pytest.mark.parametrize("kind", ["named pipe", "broken symbolic link"])
+def test_a_data_file_that_is_not_a_regular_file_is_refused_unopened(tmp_path, tokenizer_dir, kind, capsys):
+    """A named pipe's open waits forever for a writer: it is named before anything opens it."""
+    write_files(tmp_path, {"docs/a.txt": "the cat sees a dog .\n" * 20})
+    odd = tmp_path / "docs" / "b.txt"
+    os.mkfifo(odd) if kind == "named pipe" else odd.symlink_to(tmp_path / "gone.txt")
+    signal.alarm(60)  # a hang fails the test rather than the suite
+    try:
+        status, _, err = prepare(tmp_path, tokenizer_dir, f"--data={tmp_path / 'docs'}", capsys=capsys)
+    finally:
+        signal.alarm(0)
+    assert status == 2
+    assert err.strip() == f"error: --data: {odd} is a {kind}, not a regular file; remove it from the corpus"
 
 
 def test_model_vocabulary_follows_the_tokenizer(tokenizer_dir, corpus, capsys):
