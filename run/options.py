@@ -32,6 +32,8 @@ POSITIVE = ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_
 
 NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last", "exclude_stragglers_after")
 
+MAX_RUN_NAME = 200
+
 # A run folder's record of its rewinds (run/checkpoints.py): a --resume_from it names may be gone, pruned
 REWINDS = "rewinds.json"
 
@@ -118,12 +120,34 @@ def suggestion(name, valid, prefix):
     return f"; did you mean {prefix}{close[0]}?" if close else f"; valid options: {', '.join(valid)}"
 
 
+class ConfigLoader(yaml.SafeLoader):
+    """YAML of name: value lines, read strictly: a key given twice is an error, not the last one silently, and
+    an alias (*name) is refused, so that no file can expand into gigabytes (a 'billion laughs')."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            event = self.peek_event()
+            raise yaml.MarkedYAMLError(problem=f"an alias (*{event.anchor}); write the value out",
+                                       problem_mark=event.start_mark)  # fmt: skip
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.MarkedYAMLError(problem=f"{key!r} is given twice (first on line {seen[key] + 1})",
+                                           problem_mark=key_node.start_mark)  # fmt: skip
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_config_file(path, hints):
     try:
         with open(path) as file:
-            values = yaml.safe_load(file) or {}
+            values = yaml.load(file, Loader=ConfigLoader) or {}
     except (OSError, yaml.YAMLError) as error:
-        raise ConfigError(f"--config={path}: {' '.join(str(error).split())}") from None
+        raise ConfigError(f"--config={path}: {quoted(' '.join(str(error).split()), 300)}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of name: value, got {type(values).__name__}")
     for name in values:
@@ -154,7 +178,14 @@ def convert(name, value, hint, where):
                 return kind(converted)
     names = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
     expected = " or ".join(names[kind] for kind in kinds)
-    raise ConfigError(f"{where}{name} expects {expected}{' or none' if allows_none else ''}, got {value!r}")
+    raise ConfigError(
+        f"{where}{name} expects {expected}{' or none' if allows_none else ''}, got {quoted(repr(value))}"
+    )
+
+
+def quoted(text, limit=80):
+    """What an error line quotes of a value: its start, and its length when it is longer."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def validate(args, resolve_shape, parse_source):
@@ -228,6 +259,9 @@ def check_ranges(args, shape):
         problems.append(
             f"--run_name={args.run_name!r} must be a folder name: letters, digits, '.', '_', '+', '-'"
         )
+    elif args.run_name is not None and len(args.run_name.encode()) > MAX_RUN_NAME:
+        # step_N.tmp folders and rewound_<time> names go inside it; a file system allows 255 bytes a name
+        problems.append(f"--run_name is {len(args.run_name.encode())} bytes long; use at most {MAX_RUN_NAME}")
     if problems:
         raise ConfigError("\n".join(problems))
 
@@ -326,6 +360,14 @@ def missing_folder(option, value):
 def writable_folder(option, path):
     """Creates path and checks a file can be written in it: a folder that cannot be written would fail
     later, after hours. Checked on every node, as one may lack it."""
+    dangling = next(
+        (part for part in parents(path) if os.path.islink(part) and not os.path.exists(part)), None
+    )
+    if dangling:
+        message = (
+            f"{option}={path}: {dangling} is a symbolic link to {os.readlink(dangling)}, which does not exist"
+        )
+        raise ConfigError(f"{message}; create its target or point {option} elsewhere", per_node=True)
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path) as file:  # bytes, not an empty file: a full disk has inodes
@@ -334,6 +376,16 @@ def writable_folder(option, path):
     except OSError as error:
         message = f"{option}={path} is not writable ({error.strerror}); point it at a writable folder"
         raise ConfigError(message, per_node=True) from None
+
+
+def parents(path):
+    """path and the folders above it, nearest first."""
+    path = os.path.abspath(path)
+    while True:
+        yield path
+        if path == os.path.dirname(path):
+            return
+        path = os.path.dirname(path)
 
 
 def check_trackers(args):

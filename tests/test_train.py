@@ -133,6 +133,13 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
         (["--dry_run", "--gpu=-5"], {}, "--gpu=-5: a GPU's memory in GB must be a positive number"),
         (["--run_name="], {}, "--run_name='' must be a folder name"),
         (["--run_name=../up"], {}, "--run_name='../up' must be a folder name"),
+        ([f"--run_name={'r' * 300}"], {}, "--run_name is 300 bytes long; use at most 200"),
+        (
+            ["--checkpoint_every=often"],
+            {},
+            "--checkpoint_every must be a number of steps or auto, got 'often'",
+        ),
+        (["--checkpoint_every=0"], {}, "--checkpoint_every must be positive, got 0"),
         (["--lr", "0.001"], {}, "--lr 0.001: write --lr=0.001 (options are written --name=value)"),
         (
             ["--config", "configs/x.yaml"],
@@ -170,6 +177,19 @@ def test_bad_input_is_one_clear_line(args, env, message, capsys, monkeypatch):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_a_dangling_symbolic_link_as_checkpoint_dir_is_named(tmp_path, capsys):
+    import train as train_script
+
+    (tmp_path / "ckpt").symlink_to(tmp_path / "gone")
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main(["--model=tiny", f"--checkpoint_dir={tmp_path / 'ckpt'}", f"--log_dir={tmp_path}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --checkpoint_dir={tmp_path / 'ckpt'}: {tmp_path / 'ckpt'} is a symbolic link to "
+        f"{tmp_path / 'gone'}, which does not exist; create its target or point --checkpoint_dir elsewhere"
+    )
 
 
 def test_help_lists_every_option_with_its_default_and_comment(capsys):
@@ -222,3 +242,24 @@ def test_a_plain_run_needs_no_port(runs):
     cannot stop it. The one-process run of `runs` ran with its MASTER_PORT taken."""
     assert_ran(runs.one)
     assert "world_size=1" in runs.one.stdout
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("lr: 0.001\nbatch_size: 4\nlr: 0.01\n", "'lr' is given twice (first on line 1) in "),
+        # a 'billion laughs': each alias multiplies the one before; expanded, the error line was 254 MB
+        ("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\nrun_name: [*b, *b]\n",
+         "an alias (*a); write the value out in "),
+        (f"run_name: [{', '.join(['x'] * 10000)}]\n", "... (50,000 characters)"),
+    ],
+)  # fmt: skip
+def test_a_config_file_with_a_duplicate_key_or_an_alias_is_one_short_line(tmp_path, capsys, text, message):
+    import train as train_script
+
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([f"--config={tmp_path / 'c.yaml'}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1 and len(err) < 400, err
