@@ -17,7 +17,7 @@ import torch
 
 import train
 from run.export import export_checkpoint
-from run.options import ConfigError, convert, fail, print_help
+from run.options import ConfigError, convert, fail, print_help, refuse_remote_code
 from run.safe_load import refused_weights
 
 # --help prints these options verbatim from this file; fmt: off keeps their comments aligned
@@ -63,6 +63,7 @@ def parse_args(argv):
 def generate(cfg, folder):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    refuse_remote_code("--init_from", folder)
     try:
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
     except pickle.UnpicklingError as error:

@@ -154,3 +154,47 @@ def test_pretrained_weights_in_a_pickle_that_names_code_are_refused_in_one_line(
             "tensors (it names posix.system); use weights saved as safetensors, from a source you trust"
         )
         assert "Traceback" not in result.stderr
+
+
+def test_a_folder_that_needs_its_own_code_is_refused_before_transformers_asks(tmp_path, capsys):
+    """transformers would prompt "Do you wish to run the custom code? [y/N]" and point to the hub."""
+    from transformers import GPT2Config
+
+    import train as train_script
+
+    folder = tmp_path / "custom"
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32).save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "modeling.EvilConfig", "AutoModelForCausalLM": "modeling.EvilModel"}
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["tok.Evil", None]}})
+    )
+    capsys.readouterr()
+    for argv, named in (
+        ([f"--init_from={folder}"], "config.json maps to modeling.EvilConfig, modeling.EvilModel"),
+        (["--data=train.py", f"--tokenizer={folder}"], "config.json maps to modeling.EvilConfig"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            train_script.main(argv)
+        assert exit_info.value.code == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: {argv[-1]} needs code of its own ({named}"), line
+    sampled = launch("sample.py", [f"--init_from={folder}"], nproc=0)
+    assert sampled.returncode == 2 and sampled.stderr.strip().startswith(f"error: --init_from={folder} needs")
+    assert "[y/N]" not in sampled.stdout + sampled.stderr
+
+
+def test_a_model_folder_without_weights_is_refused_before_the_model_is_built(tmp_path, capsys):
+    from transformers import GPT2Config
+
+    import train as train_script
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32).save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([f"--init_from={tmp_path}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --init_from={tmp_path} has a config.json but no weights (model.safetensors, "
+        "pytorch_model.bin); give the folder save_pretrained wrote"
+    )
