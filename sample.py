@@ -77,6 +77,8 @@ def generate(cfg, folder):
     tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
     if tokenizer is not None:
         ids = tokenizer(cfg.prompt, return_tensors="pt").input_ids
+        if ids.numel() == 0:
+            raise ConfigError("--prompt is empty: give some text to continue (the default is a new line)")
     else:
         # the default prompt: the token that ends a document, which every document of the data follows
         tokens = cfg.prompt.split() or [str(model.config.eos_token_id or 0)]
@@ -84,12 +86,18 @@ def generate(cfg, folder):
             ids = torch.tensor([[int(token) for token in tokens]])
         except ValueError:
             raise ConfigError(
-                f"{folder} has no tokenizer (dummy data): give --prompt as token ids "
-                f"separated by spaces, e.g. --prompt='1 2 3'"
+                f"{folder} has no tokenizer (no tokenizer_config.json), so --prompt must be token ids "
+                f"separated by spaces, e.g. --prompt='1 2 3' (a model trained on dummy data has none; for "
+                f"one trained on text, copy its tokenizer's files into the folder)"
             ) from None
         if ids.min() < 0 or ids.max() >= model.config.vocab_size:
             raise ConfigError(f"--prompt needs token ids between 0 and {model.config.vocab_size - 1}")
     positions = getattr(model.config, "max_position_embeddings", None)
+    if positions and ids.shape[1] >= positions:
+        raise ConfigError(
+            f"--prompt is {ids.shape[1]} tokens, and the model holds {positions} positions in all: shorten "
+            f"the prompt to leave room for the tokens it writes"
+        )
     if positions and ids.shape[1] + cfg.max_new_tokens > positions:
         raise ConfigError(
             f"--max_new_tokens={cfg.max_new_tokens} after a prompt of {ids.shape[1]} tokens passes the "

@@ -167,14 +167,24 @@ def test_sample_starts_after_a_document_end_and_refuses_what_it_cannot_do(export
     (line,) = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("---")]
     assert line.split()[0] == "511" and len(line.split()) == 4, line
 
-    broken_config, no_weights = tmp_path / "broken_config", tmp_path / "no_weights"
-    for copy in (broken_config, no_weights):
+    broken_config, no_weights, worded = (
+        tmp_path / "broken_config",
+        tmp_path / "no_weights",
+        tmp_path / "worded",
+    )
+    for copy in (broken_config, no_weights, worded):
         shutil.copytree(model, copy)
     (broken_config / "config.json").write_text("{")
     (no_weights / "model.safetensors").unlink()
+    save_word_tokenizer(worded)
     cases = [
         ([f"--init_from={model}", "--prompt=1 2 3", "--max_new_tokens=300"],
          "--max_new_tokens=300 after a prompt of 3 tokens passes the model's 256 positions; use at most 253"),
+        ([f"--init_from={model}", f"--prompt={' '.join(['1'] * 300)}"],
+         "--prompt is 300 tokens, and the model holds 256 positions in all: shorten the prompt"),
+        ([f"--init_from={model}", "--prompt=the cat"],
+         f"{model} has no tokenizer (no tokenizer_config.json), so --prompt must be token ids"),
+        ([f"--init_from={worded}", "--prompt="], "--prompt is empty: give some text to continue"),
         ([f"--init_from={broken_config}"], f"--init_from={broken_config}: cannot load the model ("),
         ([f"--init_from={no_weights}"], f"--init_from={no_weights}: cannot load the model ("),
     ]  # fmt: skip
@@ -183,6 +193,17 @@ def test_sample_starts_after_a_document_end_and_refuses_what_it_cannot_do(export
             sample.main(args)
         errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
         assert exit_info.value.code == 2 and len(errors) == 1 and message in errors[0], errors
+
+
+def save_word_tokenizer(folder):
+    """A tokenizer of a few words, as save_pretrained writes one, into folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<eos>", "<unk>", "the", "cat", "sees", "a", "dog"]
+    tokenizer = Tokenizer(models.WordLevel({word: i for i, word in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(folder)
 
 
 def wait_for_catching(pid, number, timeout=120):
