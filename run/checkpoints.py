@@ -353,6 +353,13 @@ class Checkpointer:
                 f"checkpoint {path} has another model shape ({details}); use another --run_name or "
                 f"--checkpoint_dir"
             )
+        windows = trainer_state.get("config", {}).get("seq_length")
+        if self.args.data != "dummy" and windows and windows != self.args.seq_length:
+            self.refuse(  # the data position counts windows: another length would repeat text and skip other
+                f"checkpoint {path} read --data={self.args.data} in windows of --seq_length={windows}, and "
+                f"its data position counts those windows; resume with --seq_length={windows}, or start "
+                f"another --run_name"
+            )
         full_file = os.path.join(path, "state_dict.pt")
         full = os.path.exists(full_file)
         if full:  # memory-mapped: the ranks of a node share one copy in the page cache

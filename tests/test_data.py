@@ -190,6 +190,17 @@ def test_token_file_is_prepared_once_and_rebuilt_when_incomplete(tmp_path, token
     assert len(list((tmp_path / "cache").glob("corpus-*/train.bin"))) == 2
 
 
+def test_resuming_text_with_another_seq_length_is_refused(tmp_path, tokenizer_dir, corpus):
+    args = [*DATA, f"--data={corpus}", "--eval_every=0", "--run_name=windows", f"--checkpoint_dir={tmp_path}"]
+    run(tmp_path, tokenizer_dir, *args, "--max_steps=2", nproc=0)
+    result = run(tmp_path, tokenizer_dir, *args, "--max_steps=4", "--seq_length=16", nproc=0, expect_ok=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {tmp_path}/windows/step_2 read --data={corpus} in windows of --seq_length=32, "
+        "and its data position counts those windows; resume with --seq_length=32, or start another --run_name"
+    )
+
+
 def test_one_process_with_accumulation_matches_two_processes_on_text(text_runs):
     (two, two_result), (one, one_result) = text_runs["whole"], text_runs["one process"]
     assert_ran(two_result)
