@@ -177,7 +177,7 @@ def main(argv):
     model.train()
     signals.start_training()
     watchdog = guard.Watchdog(args, log_folder, rank, device, mesh, progress.hung)
-    profiler = guard.StepProfiler(args.profile_steps, log_folder, device, rank == 0)
+    profiler = guard.StepProfiler(args.profile_steps, log_folder, device, rank == 0, total_steps)
     timed_batches = progress.timed(batches)
     first_step, stopped = progress.step + 1, False
     for step in range(first_step, total_steps + 1):  # numbered as logged: the first step is 1

@@ -375,8 +375,11 @@ class StepProfiler:
     """--profile_steps=A,B: torch.profiler over steps A to B (as logged) of rank 0, written as a Chrome trace
     that Perfetto and TensorBoard's profiler open; on GPU a CUDA memory snapshot beside it."""
 
-    def __init__(self, steps, folder, device, master):
+    def __init__(self, steps, folder, device, master, last_step):
+        """A range past last_step ends with the run, and is written then."""
         self.steps = profiled_steps(steps) if master else None
+        if self.steps:
+            self.steps = (self.steps[0], min(self.steps[1], last_step))
         self.folder, self.cuda = folder, device.type == "cuda"
         self.profiler = None
 

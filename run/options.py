@@ -332,7 +332,7 @@ def check_combinations(args, shape):
     profiled = profiled_steps(args.profile_steps)
     if profiled and 0 < args.max_steps < profiled[1] and os.environ.get("RANK", "0") == "0":
         print(f"warning: --profile_steps={args.profile_steps} ends after --max_steps={args.max_steps}: the "
-              f"trace stops with the run", file=sys.stderr)  # fmt: skip
+              f"trace ends with the run's last step", file=sys.stderr)  # fmt: skip
 
 
 def profiled_steps(text):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import BLAMED, REPO, TINY, read_metrics, torchrun_command, worker_pids
+from conftest import BLAMED, REPO, TINY, launch, read_metrics, torchrun_command, worker_pids
 
 import train as train_script
 from run import guard, heal
@@ -125,10 +125,24 @@ def test_bad_profile_steps_is_one_line(value, capsys):
     )
 
 
-def test_profile_steps_past_the_run_warn_and_the_run_goes_on(capsys):
-    assert train_script.main(["--profile_steps=5,900", "--max_steps=10", "--model=tiny", "--check_only"]) == 0
-    warning = "warning: --profile_steps=5,900 ends after --max_steps=10: the trace stops with the run"
-    assert capsys.readouterr().err.strip() == warning
+def test_profile_steps_past_the_run_warn_and_the_trace_ends_with_it(tmp_path):
+    args = [
+        *TINY,
+        "--profile_steps=3,900",
+        "--max_steps=4",
+        f"--log_dir={tmp_path}",
+        f"--checkpoint_dir={tmp_path}",
+    ]
+    result = launch("train.py", [*args, "--run_name=p"], nproc=0)
+    assert result.returncode == 0, result.stderr[-2000:]
+    warning = (
+        "warning: --profile_steps=3,900 ends after --max_steps=4: the trace ends with the run's last step"
+    )
+    assert warning in result.stderr
+    trace = tmp_path / "p" / f"trace_steps_3-4_{HOST}_rank0.pt.trace.json"
+    assert f"profile: steps 3 to 4 traced in {trace}" in result.stdout
+    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    assert {"train step 3", "train step 4"} <= names
 
 
 def throttle(pid, stop_event, stopped=0.06, running=0.02):
