@@ -284,13 +284,7 @@ class RunLog:
 
             self.writer = SummaryWriter(os.path.join(folder, "tensorboard"))
         if args.wandb:
-            import wandb as wandb_module  # the constant wandb is the project's name
-
-            try:
-                run = dict(project=args.wandb, id=args.run_name, name=args.run_name, resume="allow")
-                self.wandb = wandb_module.init(**run, config=vars(args), dir=folder)
-            except wandb_module.errors.Error as error:  # no API key, W&B unreachable
-                fail(f"--wandb={args.wandb}: {str(error).splitlines()[0]}; or set WANDB_MODE=offline")
+            self.wandb = start_wandb(args, folder)
 
     def write(self, record):
         if self.metrics is not None:
@@ -328,6 +322,27 @@ class RunLog:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+WANDB_INIT_TIMEOUT_S = 20  # W&B's own is 90 s, and an unreachable server cost a run about 95 s
+
+
+def start_wandb(args, folder):
+    """W&B's run for this run (its id is the run name, so a relaunch continues it). When W&B cannot be
+    reached, or refuses (no API key), the run logs offline, which `wandb sync` uploads later, rather than
+    waiting or stopping."""
+    import wandb
+
+    run = dict(project=args.wandb, id=args.run_name, name=args.run_name, resume="allow", config=vars(args))
+    try:
+        timeout = float(os.environ.get("WANDB_INIT_TIMEOUT", WANDB_INIT_TIMEOUT_S))  # W&B's own variable wins
+        return wandb.init(**run, dir=folder, settings=wandb.Settings(init_timeout=timeout))
+    except wandb.errors.Error as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"warning: --wandb={args.wandb}: W&B is unreachable or refused ({reason}); logging offline in "
+              f"{folder}/wandb: `wandb sync` uploads it later", file=sys.stderr, flush=True)  # fmt: skip
+        wandb.teardown()  # the failed attempt still holds the run's id in W&B's service
+        return wandb.init(**run, dir=folder, mode="offline")
 
 
 def write_run_folder(args, folder):

@@ -30,6 +30,19 @@ from run import guard
 RUN = [*TINY, "--max_steps=6", "--run_name=life", "--checkpoint_every=100", "--curves=True"]
 
 
+def test_unreachable_wandb_logs_offline_after_a_bounded_wait(tmp_path):
+    env = {"WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "a" * 40, "WANDB_INIT_TIMEOUT": "3"}
+    args = [*TINY, "--max_steps=2", "--run_name=w", "--wandb=proj", f"--log_dir={tmp_path}",
+            f"--checkpoint_dir={tmp_path}"]  # fmt: skip
+    started = time.monotonic()
+    result = launch("train.py", args, nproc=0, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.monotonic() - started < 60  # it waited about 95 s
+    [warning] = [line for line in result.stderr.splitlines() if line.startswith("warning: --wandb=proj")]
+    assert warning.endswith(f"logging offline in {tmp_path}/w/wandb: `wandb sync` uploads it later")
+    assert list((tmp_path / "w" / "wandb").glob("offline-run-*/run-w.wandb"))
+
+
 def wandb_records(path):
     """The protobuf records of a W&B transaction log: a 7-byte header, then LevelDB-style records (CRC,
     length, type: 1 whole, 2 first, 3 middle, 4 last part) in 32 KiB blocks."""
