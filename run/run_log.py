@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -282,6 +283,7 @@ class RunLog:
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            threading.excepthook = quiet_tensorboard_disk_errors
             self.writer = SummaryWriter(os.path.join(folder, "tensorboard"))
         if args.wandb:
             self.wandb = start_wandb(args, folder)
@@ -300,8 +302,13 @@ class RunLog:
     def scalars(self, values, step):
         """TensorBoard and W&B: the numbers among values."""
         values = {key: value for key, value in values.items() if isinstance(value, (int, float))}
-        for key, value in values.items() if self.writer is not None else ():
-            self.writer.add_scalar(key, value, step)
+        try:
+            for key, value in values.items() if self.writer is not None else ():
+                self.writer.add_scalar(key, value, step)
+        except OSError as error:  # its writer thread met a full disk: TensorBoard stops, the run goes on
+            print(f"warning: cannot write {self.writer.log_dir} ({error.strerror}); TensorBoard's records "
+                  f"stop here, training goes on", file=sys.stderr, flush=True)  # fmt: skip
+            self.writer = None
         if self.wandb is not None:
             self.wandb.log(values, step=step)
 
@@ -319,9 +326,18 @@ class RunLog:
             except OSError as error:
                 self.stop_writing(error)
         if self.writer is not None:
-            self.writer.close()
+            with contextlib.suppress(OSError):  # a full disk was warned about already, or goes unrecorded
+                self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def quiet_tensorboard_disk_errors(hook_args, default=threading.excepthook):
+    """TensorBoard's writer thread dies of a full disk with a traceback; its next record says so."""
+    thread_module = type(hook_args.thread).__module__
+    if isinstance(hook_args.exc_value, OSError) and thread_module.startswith("tensorboard"):
+        return
+    default(hook_args)
 
 
 WANDB_INIT_TIMEOUT_S = 20  # W&B's own is 90 s, and an unreachable server cost a run about 95 s

@@ -365,3 +365,28 @@ def test_a_full_log_disk_ends_the_records_with_one_warning_not_the_run(tmp_path,
     err = capsys.readouterr().err
     assert err.count("warning:") == 1, err
     assert f"warning: cannot write {tmp_path}/metrics.jsonl (No space left on device)" in err
+
+
+def test_a_log_disk_that_fills_during_a_run_warns_once_per_writer_and_training_goes_on(tmp_path):
+    """TensorBoard's writer thread met the full disk and ended the run, with no checkpoint."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=32k", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs ({mounted.stderr.decode().strip() or 'not permitted'}): needs root"
+        )
+    try:
+        args = [*TINY, "--seq_length=32", "--max_steps=200", "--run_name=full", f"--log_dir={disk}",
+                f"--checkpoint_dir={tmp_path}", "--tensorboard=True"]  # fmt: skip
+        result = launch("train.py", args, nproc=0)
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: cannot write")]
+    for written in ("metrics.jsonl", "tensorboard"):
+        assert len([line for line in warnings if f"full/{written} (No space left on device)" in line]) == 1
+    assert (tmp_path / "full" / "step_200" / "manifest.json").exists()
