@@ -546,7 +546,6 @@ def resolve_shape(args):
         except (OSError, ValueError) as error:
             raise ConfigError(f"--init_from={args.init_from}: {str(error).splitlines()[0]}") from None
         config_class, arguments = type(pretrained), pretrained.to_dict()
-        options.check_weights("--init_from", args.init_from)
     elif args.model in MODEL_PRESETS:
         class_name, arguments = MODEL_PRESETS[args.model]
         config_class = getattr(transformers, class_name)

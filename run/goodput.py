@@ -183,7 +183,7 @@ class CheckpointInterval:
     def describe(self):
         return (
             f"checkpoint interval: every {self.steps} steps (Young/Daly: sqrt(2 x {self.save_s:.1f} s a save "
-            f"x {self.mtbf_s / 3600:.0f} h between failures of {self.nodes} node{'s' * (self.nodes > 1)}))"
+            f"x {self.mtbf_s / 3600:.4g} h between failures of {self.nodes} node{'s' * (self.nodes > 1)}))"
         )
 
 

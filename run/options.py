@@ -316,6 +316,8 @@ def check_combinations(args, shape):
         raise ConfigError(
             f"--init_from={args.init_from} brings its own shape; drop --{', --'.join(shape.names)}"
         )
+    if args.init_from:
+        check_weights("--init_from", args.init_from)
     if args.cpu_offload and args.sharding == "ddp":
         raise ConfigError("--cpu_offload=True needs FSDP; it does not work with --sharding=ddp")
     resume_from = args.resume_from

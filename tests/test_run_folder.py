@@ -379,7 +379,7 @@ def test_a_log_disk_that_fills_during_a_run_warns_once_per_writer_and_training_g
             f"cannot mount a tmpfs ({mounted.stderr.decode().strip() or 'not permitted'}): needs root"
         )
     try:
-        args = [*TINY, "--seq_length=32", "--max_steps=200", "--run_name=full", f"--log_dir={disk}",
+        args = [*TINY, "--seq_length=32", "--max_steps=80", "--run_name=full", f"--log_dir={disk}",
                 f"--checkpoint_dir={tmp_path}", "--tensorboard=True"]  # fmt: skip
         result = launch("train.py", args, nproc=0)
     finally:
@@ -389,4 +389,4 @@ def test_a_log_disk_that_fills_during_a_run_warns_once_per_writer_and_training_g
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: cannot write")]
     for written in ("metrics.jsonl", "tensorboard"):
         assert len([line for line in warnings if f"full/{written} (No space left on device)" in line]) == 1
-    assert (tmp_path / "full" / "step_200" / "manifest.json").exists()
+    assert (tmp_path / "full" / "step_80" / "manifest.json").exists()
