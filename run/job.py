@@ -277,6 +277,7 @@ class Job:
         torchrun = self.scheduler.torchrun(
             self.python, self.nodes, self.nproc, self.knobs.TORCHRUN_MAX_RESTARTS
         )
+        self.handle_signals()  # a stop that came before: its file is there when the workers look
         process = self.scheduler.start(self.nodes, [*torchrun, script, *args], {**self.environ, **env})
         ended = False
         while process.poll() is None:
@@ -366,7 +367,7 @@ class Job:
         return self.requeue_without(nodes, status)
 
     def requeue_without(self, nodes, status):
-        excluded = self.scheduler.excluded()
+        excluded = self.scheduler.excluded()  # as SLURM writes it: n[2-3] names n2 and n3
         refused = self.scheduler.set_comment(slurm.with_left_out(self.scheduler.comment(), nodes))
         refused = refused or self.scheduler.requeue()
         if refused:
@@ -378,7 +379,7 @@ class Job:
         # A running job's node list cannot change. Once requeued it can, until it starts again; SLURM may
         # refuse while the job completes, and then the comment above keeps the next start off these nodes.
         for _ in range(10):
-            if self.scheduler.exclude(",".join(filter(None, [excluded, *nodes]))) is None:
+            if self.scheduler.exclude(",".join(dict.fromkeys(filter(None, [excluded, *nodes])))) is None:
                 return 0
             time.sleep(self.retry_s)
         log(
