@@ -130,11 +130,7 @@ def main(argv):
         if args.plot:
             return run_log.plot_run(args.plot)
         if args.check_only:
-            log_folder = os.path.join(args.log_dir, args.run_name)
-            print(f"checked: log folder {log_folder}")
-            if os.environ.get("CHECKED_JSON"):  # the job script (run/job.py) reads the folder from there
-                heal.write_atomically(os.environ["CHECKED_JSON"], json.dumps({"log_folder": log_folder}))
-            return 0
+            return report_checked(os.path.join(args.log_dir, args.run_name))
         if args.export_from:
             export.export_checkpoint(args.export_from, rebuild_model)
             return 0
@@ -213,6 +209,14 @@ def main(argv):
     progress.close(stopped)
     launch.teardown(lock)
     return guard.STOPPED_BY_SIGNAL if stopped else 0
+
+
+def report_checked(log_folder):
+    """--check_only's answer: the run's log folder, also as JSON in $CHECKED_JSON for the job (run/job.py)."""
+    print(f"checked: log folder {log_folder}")
+    if os.environ.get("CHECKED_JSON"):
+        heal.write_atomically(os.environ["CHECKED_JSON"], json.dumps({"log_folder": log_folder}))
+    return 0
 
 
 def constants():
