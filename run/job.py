@@ -303,7 +303,11 @@ class Job:
             log("the scaled lead is reached: checkpointing to requeue")
             self.stop = True
         if self.stop and self.run_folder and not os.path.exists(self.stop_file()):
-            heal.write_atomically(self.stop_file(), "SIGUSR1\n")
+            try:  # the folder is train.py's to make, and it may not have yet
+                os.makedirs(self.run_folder, exist_ok=True)
+                heal.write_atomically(self.stop_file(), "SIGUSR1\n")
+            except OSError as error:  # tried again at the next poll
+                print(f"warning: cannot ask the workers to stop ({error})", file=sys.stderr)
 
     def time_limit_near(self):
         times = self.scheduler.time_left_s()

@@ -72,8 +72,7 @@ class FakeSlurm:
     def torchrun(self, python, nodes, nproc, max_restarts):
         return ["torchrun", f"--nnodes={len(nodes)}", f"--nproc_per_node={nproc}"]
 
-    def check(self, node, command, env, container_image):
-        os.makedirs(self.run_folder, exist_ok=True)
+    def check(self, node, command, env, container_image):  # it names the run folder, which train.py makes
         with open(env["CHECKED_JSON"], "w") as file:
             json.dump({"log_folder": self.run_folder}, file)
         return 0
@@ -263,14 +262,15 @@ def test_the_time_limit_requeues_until_the_requeues_are_used(tmp_path, capsys, j
 
 def test_a_stop_before_the_workers_catch_signals_reaches_them_once_they_train(tmp_path, job_signals):
     """SIGUSR1 during the options' check: nothing is signalled; training starts with the stop file there
-    (train.py's rank 0 looks for it once training has started), checkpoints, and the job requeues."""
+    (train.py's rank 0 looks for it once training has started), checkpoints, and the job requeues. The run
+    folder, which train.py has not made yet, is made for it."""
 
     def phases(script, nodes, process):
         if os.path.exists(process.env["JOB_STOP_FILE"]):
             return 75
         return 0 if process.polls > 3 else None
 
-    scheduler = FakeSlurm(tmp_path, phases)
+    scheduler = FakeSlurm(tmp_path / "run", phases)
     checked = scheduler.check
 
     def check_during_which_the_signal_comes(*args):
