@@ -1415,6 +1415,7 @@ def argument_parser():
     )
     parser.add_argument("--storage_path", default="checkpoints", help="folder to test (default: checkpoints)")
     parser.add_argument("--report_dir", default="logs", help="where the YAML reports go (default: logs)")
+    parser.add_argument("--report", help="write the cluster report exactly here (it must not exist)")
     parser.add_argument(
         "--suspects_folder",
         help="write the nodes that fail a check to <this>/benchmark.json (slurm_submit.sh)",
@@ -1453,6 +1454,7 @@ def parse_args(argv=None):
         "sections": [s for s in SECTIONS if s in sections],
         "storage_path": args.storage_path,
         "report_dir": args.report_dir,
+        "report": args.report,
         "suspects_folder": args.suspects_folder,
         "nic_gbps": args.nic_gbps,
         "min_storage_GBps": args.min_storage_GBps,
@@ -1460,6 +1462,8 @@ def parse_args(argv=None):
         "history": args.history,
     }
     cfg.update({key: value for key, value in vars(args).items() if key in cfg and value is not None})
+    if args.report:
+        cfg["report_dir"] = str(Path(args.report).parent)
     validate(cfg, args, parser)
     return cfg
 
@@ -1473,6 +1477,8 @@ def validate(cfg: dict, args, parser):
         parser.error(
             f"--report_dir {cfg['report_dir']}: cannot write there ({error.strerror}); pass a writable folder"
         )
+    if cfg["report"] and Path(cfg["report"]).exists():
+        parser.error(f"--report {cfg['report']} exists; pass a new path")
     if "storage" in cfg["sections"]:
         path = Path(cfg["storage_path"])
         if path.is_file():
@@ -1677,7 +1683,7 @@ def main(argv=None) -> int:
             "section_seconds": section_seconds,
         }
         report = cluster_report(everyone, world, job, cfg)
-        path = Path(cfg["report_dir"]) / f"benchmark_{job['id']}.yaml"
+        path = Path(cfg["report"] or Path(cfg["report_dir"]) / f"benchmark_{job['id']}.yaml")
         if world.is_node_leader:
             node = f"node{world.node_rank} ({local['node_name']})"
             write_yaml(path.with_name(f"{path.stem}_rank{world.rank}.yaml"), node_report(report, node))

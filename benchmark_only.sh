@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Benchmarks every node and writes logs/benchmark_<jobid>.yaml:   sbatch benchmark_only.sh [benchmark.py arguments]
-# Without SLURM, `bash benchmark_only.sh [arguments]` benchmarks this machine. Same launcher as slurm_submit.sh,
-# whose knobs (NPROC_PER_NODE, BENCHMARK_ARGS, CONTAINER_IMAGE, ...) apply here too; see docs/SLURM.md.
+# Without SLURM, `bash benchmark_only.sh [arguments]` benchmarks this machine. The job is slurm_submit.sh's
+# (run/job.py), whose knobs (NPROC_PER_NODE, BENCHMARK_ARGS, CONTAINER_IMAGE, ...) apply here too; see docs/SLURM.md.
 #SBATCH --job-name=benchmark
 #SBATCH --nodes=2
-#SBATCH --ntasks-per-node=1           # one torchrun per node; it starts one process per GPU
+# (one torchrun per node is srun's choice: an #SBATCH --ntasks-per-node would pin --nodes=MIN-MAX to MIN)
 ##SBATCH --gpus-per-node=8            # GPU partitions: delete one '#' (CPU-only partitions: leave it off)
 #SBATCH --exclusive
 #SBATCH --mem=0

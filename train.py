@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from run import export, guard, launch, options, prepare, run_log, safe_load, simulation
+from run import export, guard, heal, launch, options, prepare, run_log, safe_load, simulation
 from run.checkpoints import Checkpointer
 from run.options import ConfigError
 
@@ -104,7 +104,7 @@ curves: bool = True                 # <log_dir>/<run_name>/curves.png at the end
 wandb: str | None = None            # a W&B project to log to as well; None: off
 plot: str | None = None             # a run folder (<log_dir>/<run_name>): write its curves.png, then exit
 export_from: str | None = None      # a step_N checkpoint: write export_step_N beside it, then exit
-check_only: bool = False            # check the options, print the log folder, exit (slurm_submit.sh)
+check_only: bool = False            # check the options, print the log folder, exit (the job script)
 dry_run: bool = False               # simulate training steps on fake tensors: peak memory per GPU, FLOPs
 world_size: int | None = None       # dry run: the world size simulated; None: $WORLD_SIZE, else 8
 gpus_per_node: int = 8              # dry run: GPUs per node, for --sharding=hybrid
@@ -130,8 +130,7 @@ def main(argv):
         if args.plot:
             return run_log.plot_run(args.plot)
         if args.check_only:
-            print(f"checked: log folder {os.path.join(args.log_dir, args.run_name)}")
-            return 0
+            return report_checked(os.path.join(args.log_dir, args.run_name))
         if args.export_from:
             export.export_checkpoint(args.export_from, rebuild_model)
             return 0
@@ -175,7 +174,7 @@ def main(argv):
         progress.resume(checkpointer.load(resume_path, model, optimizer, scheduler, batches), resume_path)
 
     model.train()
-    signals.start_training()
+    signals.start_training(rank)
     watchdog = guard.Watchdog(args, log_folder, rank, device, mesh, progress.hung)
     profiler = guard.StepProfiler(args.profile_steps, log_folder, device, rank == 0, total_steps)
     timed_batches = progress.timed(batches)
@@ -210,6 +209,14 @@ def main(argv):
     progress.close(stopped)
     launch.teardown(lock)
     return guard.STOPPED_BY_SIGNAL if stopped else 0
+
+
+def report_checked(log_folder):
+    """--check_only's answer: the run's log folder, also as JSON in $CHECKED_JSON for the job (run/job.py)."""
+    print(f"checked: log folder {log_folder}")
+    if os.environ.get("CHECKED_JSON"):
+        heal.write_atomically(os.environ["CHECKED_JSON"], json.dumps({"log_folder": log_folder}))
+    return 0
 
 
 def constants():

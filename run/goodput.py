@@ -67,7 +67,8 @@ class Ledger:
         self.path, self.writable = os.path.join(folder, LEDGER), True
         self.started, self.first_step_started = started, None
         self.totals = {part: 0.0 for part in PARTS} | {"lost_steps": 0, "launches": 0}
-        self.marks = {"first_start": started, "updated": started, "step": 0, "at_checkpoint": {}}
+        began = started - benchmark_s  # the job's benchmarks came before this launch, in the run's time
+        self.marks = {"first_start": began, "updated": began, "step": 0, "at_checkpoint": {}}
         self.read_earlier_launches()
         self.totals["launches"] += 1
         self.totals["benchmark_s"] += benchmark_s

@@ -34,6 +34,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Signals this soon after the first are the same stop: torchrun forwards to its workers the SIGTERM or
 # SIGINT that SLURM (scancel, preemption) or the terminal (Ctrl-C) has already sent each of them.
 SAME_STOP_SECONDS = 2.0
+STOP_FILE_POLL_S = 1.0  # how often rank 0 looks for the job script's stop file
 
 
 class StopSignals:
@@ -41,7 +42,8 @@ class StopSignals:
     During training the first asks for a checkpoint at the end of the current step (requests is summed over
     the ranks, so all stop at the same step); a second exits at once with 128 + its number, writing nothing,
     so the last complete checkpoint stays as it was. Before training (data, model, loading) the first exits
-    at once; SIGUSR1 is caught only from then on, as slurm_submit.sh holds it until a worker catches it.
+    at once; SIGUSR1 is caught only from then on. Under the job script (run/job.py), which alone receives
+    SLURM's SIGUSR1, the stop comes as the file $JOB_STOP_FILE instead, looked for once training has started.
     The interpreter's C handler writes each signal to a pipe read by a thread: that works while the main
     thread waits inside a step or a collective, where a Python handler would only run once it returns."""
 
@@ -59,9 +61,20 @@ class StopSignals:
         for number in numbers:
             signal.signal(number, lambda *_: None)  # the wakeup fd carries it to watch()
 
-    def start_training(self):
+    def start_training(self, rank):
         self.training = True
         self.catch(signal.SIGUSR1)
+        stop_file = os.environ.get("JOB_STOP_FILE")
+        if stop_file and rank == 0:  # one rank looks: train_step shares its request with every rank
+            threading.Thread(target=self.watch_file, args=(stop_file,), daemon=True).start()
+
+    def watch_file(self, path):
+        while not os.path.exists(path):
+            time.sleep(STOP_FILE_POLL_S)
+        if not self.requests:
+            self.requests.append(signal.SIGUSR1)
+            self.first = time.monotonic()
+            print("the job asks for a stop: checkpointing at the end of this step", flush=True)
 
     def watch(self, read_end):
         while True:

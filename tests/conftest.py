@@ -1,9 +1,6 @@
-import contextlib
 import json
 import os
-import random
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -91,18 +88,6 @@ def parse_options(argv):
 def validated(args):
     """args checked and completed as main() does; returns the model's shape."""
     return options.validate(args, train_script.resolve_shape, train_script.parse_source)
-
-
-def agreed_port():
-    """A free port for launches that must agree on one before they start. It lies below Linux's ephemeral
-    range (32768-60999), which bind(0) and outgoing connections draw from, so that no other launch's socket
-    takes it in the seconds before it is bound; and above the ports slurm_submit.sh gives its jobs."""
-    for port in random.sample(range(30000, 32768), 100):
-        with socket.socket() as probe:
-            with contextlib.suppress(OSError):
-                probe.bind(("127.0.0.1", port))
-                return port
-    raise RuntimeError("no free port in 30000-32767")
 
 
 def torchrun_command(script, args, nproc, torchrun_args=()):

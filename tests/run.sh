@@ -8,11 +8,13 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash setup.sh
+# the suite leaves nothing in the checkout: no bytecode, no pytest cache (the tests write under tmp folders)
+export PYTHONDONTWRITEBYTECODE=1
 [ $# -gt 0 ] || set -- tests
 statuses=()
 phase() {
   local status=0
-  .venv/bin/python -m pytest -q --durations=15 "$@" || status=$?
+  .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@" || status=$?
   statuses+=("$status")
 }
 phase -n 3 --dist loadfile --no-loadscope-reorder -m "not timing" "$@"

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import agreed_port
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -117,13 +116,19 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
 def test_two_nodes_measure_links_between_them_and_nvlink_within_each(tmp_path):
     """Two torchrun "nodes" on this machine, two ranks each: ping-pong and one-rank-per-node
     collectives between them, each node's own collectives within it."""
-    port = agreed_port()  # both nodes are told it before either binds it
+    # The rendezvous store is this test's, bound to a port the kernel picks and held until both nodes are
+    # done: each torchrun joins it as a client (is_host=0), so no other launch can take its port meanwhile.
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, multi_tenant=True)
     command = [
         str(TORCHRUN),
         "--nnodes=2",
         "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={port}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{store.port}",
+        "--rdzv_conf=is_host=0",
+        "--rdzv_id=two-nodes",
         str(ROOT / "benchmark.py"),
         "--quick",
         "--only",
@@ -135,13 +140,13 @@ def test_two_nodes_measure_links_between_them_and_nvlink_within_each(tmp_path):
     ]
     nodes = [
         subprocess.Popen(
-            command[:1] + [f"--node_rank={n}"] + command[1:],
+            command,
             cwd=tmp_path,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for n in (0, 1)
+        for _ in (0, 1)
     ]
     outputs = [node.communicate(timeout=180) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:]

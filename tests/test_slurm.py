@@ -160,12 +160,12 @@ def time_limit_job(cluster, tmp_path_factory):
     """A 2-node training job that reaches its time limit, checkpoints, requeues and finishes:
     (job id, its fields, its output, its folder)."""
     # slurmctld checks time limits every 30 s and sends --signal at the first check at most 30 s before it
-    # is due: due 30 s into this run, it comes 0-30 s in, and training starts ~12-25 s in. So that it
+    # is due: due 60 s into this run, it comes 30-60 s in, and training starts ~12-25 s in. So that it
     # lands mid-training on a fast or a slow machine, the test pauses training (SIGSTOP) after step 3 until
-    # the batch script has the signal, like a long run would still be training. A signal that comes before
-    # train.py catches it is held by the launcher until it does: then the stop is after step 1. The
-    # launcher signals one of the 4 ranks; train.py tells the others, on both nodes.
-    # The 2-minute limit leaves a busy machine time to start, stop and checkpoint.
+    # the batch script has the signal, like a long run would still be training. The job asks rank 0 to stop
+    # by a file; train.py tells the other ranks, on both nodes. A lead of 60 s leaves a busy machine time to
+    # stop and checkpoint, and stays under the share of the limit that the job takes for a mistake (a lead
+    # longer than the limit allows, tests/test_job.py).
     tmp_path = tmp_path_factory.mktemp("time_limit")
     job_id = submit(
         "slurm_submit.sh",
@@ -175,7 +175,7 @@ def time_limit_job(cluster, tmp_path_factory):
         "--checkpoint_every=1000",
         f"--log_dir={tmp_path}/logs",
         f"--checkpoint_dir={tmp_path}/ckpt",
-        sbatch=["--nodes=2", "--time=2", "--signal=B:USR1@90"],
+        sbatch=["--nodes=2", "--time=2", "--signal=B:USR1@60"],
         SKIP_BENCHMARK="1",
     )
     paused = {"pids": [], "done": False}
@@ -199,6 +199,12 @@ def time_limit_job(cluster, tmp_path_factory):
     return job_id, fields, output, tmp_path
 
 
+def goodput(log_dir):
+    """The one run's <log_dir>/<run_name>/goodput.json."""
+    (path,) = log_dir.glob("*/goodput.json")
+    return json.loads(path.read_text())
+
+
 def test_training_across_two_nodes_writes_a_checkpoint(time_limit_job):
     """The time-limit job is a training job on two nodes too, one that also had to requeue."""
     job_id, fields, output, tmp_path = time_limit_job
@@ -219,6 +225,8 @@ def test_time_limit_checkpoints_requeues_and_resumes(time_limit_job):
     assert "SLURM_RESTART_COUNT=1" in output and f"requeueing job {job_id}" in output, output
     assert "SKIP_BENCHMARK=1: skipping the benchmarks" in output and "phase 1" not in output, output
     assert metrics(tmp_path / "logs")[-1]["step"] == MAX_STEPS
+    ledger = goodput(tmp_path / "logs")  # the time between the two launches is the wait for the requeue
+    assert ledger["launches"] == 2 and ledger["waiting_s"] > 0, ledger
 
 
 def test_impossible_node_count_is_rejected_at_submission(cluster):
@@ -398,3 +406,7 @@ def test_a_frozen_node_is_left_out_and_the_run_finishes_on_the_others_with_the_s
     after = {r["step"]: r["loss"] for r in metrics(tmp_path / "logs") if "loss" in r and r["step"] > resumed}
     assert sorted(after) == list(range(resumed + 1, 11)), output
     assert after == pytest.approx({step: expected[step] for step in after}, rel=1e-5)
+    # rank 0's ledger: the hang (--hang_minimum_s, then the job's 15 s before it ends the step) and the
+    # requeue lie between the first launch's last update and the second launch's start
+    ledger = goodput(tmp_path / "logs")
+    assert ledger["launches"] == 2 and ledger["stalled_s"] + ledger["waiting_s"] > 25, ledger

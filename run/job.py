@@ -1,0 +1,430 @@
+"""The job that slurm_submit.sh and benchmark_only.sh hand over to, phase after phase:
+1. train.py's options are checked first, on one node: a typo costs seconds, not the benchmarks;
+2. benchmark.py on every node (a requeued job skips it once it passed);
+3. a failed phase that blamed nodes: they are left out, and the job requeues without them;
+4. training, with SLURM's SIGUSR1 (the time limit is near) passed on to the workers, and the step of a
+   frozen node ended;
+5. at the time limit, the requeue that resumes from the checkpoint.
+Knobs come from the environment (slurm_submit.sh lists them); the arguments go to train.py, or to
+benchmark.py under benchmark_only.sh. Outside SLURM the same phases run on this machine: the quick start.
+Every call to SLURM goes through run/slurm.py. Standard library only (see run/slurm.py)."""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from run import heal, slurm
+
+# name: default. slurm_submit.sh sets and explains each; these hold when the module is run alone.
+KNOBS = {"SKIP_BENCHMARK": 0, "CONTINUE_ON_BENCHMARK_FAILURE": 0, "NPROC_PER_NODE": 2, "REQUIRE_GPUS": 0,
+         "MAX_REQUEUES": 5, "MAX_EXCLUDED_NODES": 2, "TORCHRUN_MAX_RESTARTS": 0, "BENCHMARK_ONLY": 0,
+         "BENCHMARK_ARGS": "", "CONTAINER_IMAGE": ""}  # fmt: skip
+# train.py's arguments on nodes without GPUs, before the user's, which override them
+CPU_RUN = ["--model=tiny", "--data=dummy", "--max_steps=40", "--seq_length=64", "--batch_size=4", "--lr=3e-3",
+           "--warmup_steps=4", "--compile=False", "--activation_checkpointing=False", "--log_every=5",
+           "--log_dir=logs/quickstart"]  # fmt: skip
+HANG_GRACE_S = 15  # a watchdog blamed a node this long ago and the step goes on: that node froze
+# SIGUSR1 with more than EARLY_SIGNAL of the time limit left: the signal's lead is longer than the limit
+# allows, and each start would requeue at once; the job stops with SCALED_LEAD of the limit left instead.
+EARLY_SIGNAL = 0.8
+SCALED_LEAD = 0.1
+STOP_FILE = "stop_requested"  # in the run folder: rank 0 looks for it (JOB_STOP_FILE, run/guard.py)
+
+
+class JobError(Exception):
+    """Stops the job with one line; status is its exit status."""
+
+    def __init__(self, message, status=1):
+        super().__init__(message)
+        self.status = status
+
+
+def log(message):
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+def read_knobs(environ):
+    knobs = {}
+    for name, default in KNOBS.items():
+        value = environ.get(name, "") or str(default)
+        if isinstance(default, int) and not value.isdigit():
+            raise JobError(f"{name}={value}: give a whole number, 0 or more (e.g. {name}={default})", 2)
+        knobs[name] = int(value) if isinstance(default, int) else value
+    return argparse.Namespace(**knobs)
+
+
+def visible_gpus():
+    if not shutil.which("nvidia-smi"):
+        return 0
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    return sum(line.startswith("GPU") for line in listed.splitlines())
+
+
+def split_report(bench_args):
+    """bench_args without --report/--report_dir, the folder for the reports and the report the user named
+    (None: none): the job names each start's report itself."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--report", type=Path)
+    parser.add_argument("--report_dir", type=Path, default=Path("logs"))
+    named, rest = parser.parse_known_args(bench_args)
+    return rest, named.report_dir, named.report
+
+
+def passed(report):
+    """Whether a benchmark report's verdict is pass or warn."""
+    try:
+        lines = report.read_text(errors="replace").splitlines()
+    except OSError:
+        return False
+    return "verdict: pass" in lines or "verdict: warn" in lines
+
+
+class Job:
+    """One start of the job: run() goes through the phases and returns the job's exit status."""
+
+    def __init__(self, knobs, scheduler, argv, python, environ):
+        self.knobs, self.scheduler, self.argv, self.python = knobs, scheduler, argv, python
+        self.environ = environ
+        self.signals = []  # signal numbers, as the handler got them; handled between polls
+        self.stop = False  # SIGUSR1 came: the workers checkpoint and the job requeues
+        self.stop_deadline = None  # an early SIGUSR1: stop at this time of clock() instead
+        self.clock, self.poll_s, self.retry_s = time.monotonic, 1.0, 0.3
+        self.run_folder, self.benchmark_s = None, 0.0
+
+    def on_signal(self, number, _frame):
+        self.signals.append(number)
+
+    def run(self):
+        gpus = self.gpus()
+        hosts = self.hosts()
+        self.nproc = gpus or self.knobs.NPROC_PER_NODE
+        where = f"job {self.scheduler.job_id} on {' '.join(hosts)}" if self.scheduler.in_job else hosts[0]
+        device = "GPUs" if gpus else "CPU"
+        log(
+            f"{where}{'' if self.scheduler.in_job else ' (no SLURM job)'}: SLURM_RESTART_COUNT="
+            f"{self.scheduler.restarts}, {self.nproc} processes per node ({device})"
+        )
+        self.nodes = self.usable(hosts)
+        train_args, bench_args = self.arguments(gpus)
+        if self.knobs.BENCHMARK_ONLY:
+            return self.benchmark(bench_args)[0]
+        self.run_folder = self.check(train_args)
+        status, report, ran = self.benchmark(bench_args)
+        if status and not self.knobs.CONTINUE_ON_BENCHMARK_FAILURE:
+            print(
+                f"error: benchmark failed (exit {status}), not training: its failing checks are in the "
+                "output (the job's .out log) (CONTINUE_ON_BENCHMARK_FAILURE=1 trains anyway)",
+                file=sys.stderr,
+            )
+            return self.heal(status)
+        if status:
+            print(f"benchmark failed (exit {status}); CONTINUE_ON_BENCHMARK_FAILURE=1, so training anyway")
+        if ran and self.stop:  # the time limit came during the benchmarks: the requeued run goes on to train
+            return self.requeue(1)
+        status = self.train(train_args, report)
+        if status == 0 and not self.scheduler.in_job and not gpus:
+            print(
+                "That was the CPU quick start. On a GPU cluster: sbatch slurm_submit.sh "
+                "[train.py arguments] (docs/SLURM.md)."
+            )
+        return status
+
+    def gpus(self):
+        seen = visible_gpus()
+        gpus = int(self.environ.get("SLURM_GPUS_ON_NODE") or seen)
+        host = heal.node_name()
+        if gpus and not seen:
+            raise JobError(f"the job has {gpus} GPUs per node but nvidia-smi sees none on {host}")
+        if not gpus and self.knobs.REQUIRE_GPUS:
+            if not self.scheduler.in_job:
+                raise JobError(
+                    "no SLURM job and no GPU here (REQUIRE_GPUS=1): run sbatch slurm_submit.sh on "
+                    "a GPU cluster"
+                )
+            raise JobError(
+                f"no GPU on {host} (REQUIRE_GPUS=1): add --gpus-per-node to the #SBATCH lines or "
+                "pick a GPU partition"
+            )
+        return gpus
+
+    def hosts(self):
+        hosts = self.scheduler.hostnames()
+        count = int(self.environ.get("SLURM_NNODES") or len(hosts))
+        if len(hosts) != count:
+            raise JobError(
+                f"SLURM_NNODES={count} but the job has {len(hosts)} nodes ({' '.join(hosts)}): "
+                "torchrun would wait forever"
+            )
+        return hosts
+
+    def usable(self, hosts):
+        """The nodes to run on: the job's, but for those it left out before (heal), which stay out even when
+        SLURM allocates them again, as it may when the requeue's ExcNodeList came too late. The job's
+        comment keeps them (squeue -o %k shows it)."""
+        gone = slurm.left_out(self.scheduler.comment())
+        nodes = [host for host in hosts if host not in gone]
+        if not nodes:
+            raise JobError(
+                f"this job left out every node it has now: {' '.join(hosts)} (left_out={','.join(gone)})"
+            )
+        if len(nodes) < len(hosts):
+            log(
+                f"running on {' '.join(nodes)} alone: this job left out {','.join(gone)} before "
+                f"(its comment: squeue -j {self.scheduler.job_id} -o %k)"
+            )
+        return nodes
+
+    def arguments(self, gpus):
+        """train.py's and benchmark.py's arguments: the defaults for the job's devices, then the user's."""
+        bench_args = self.knobs.BENCHMARK_ARGS.split()
+        if gpus:
+            # GPU runs train on wikitext-103 unless the arguments say otherwise; compute nodes without
+            # internet need `python train.py --prepare_only --data=wikitext` once on a login node
+            train_args = ["--data=wikitext"]
+        else:  # a run small enough for CPUs: 4 sequences per process, at least 16 per step
+            world = self.nproc * len(self.nodes)
+            bench_args = ["--quick", *bench_args]
+            train_args = [*CPU_RUN, f"--global_batch_size={4 * world * ((4 + world - 1) // world)}"]
+            if not self.scheduler.in_job:
+                # the quick start: a new run each time, which shows the loss falling again rather than
+                # resuming the finished one (pass --run_name=... to resume instead)
+                train_args += ["--checkpoint_dir=logs/quickstart/checkpoints", "--keep_last=1",
+                               f"--run_name=quickstart-{time.strftime('%Y%m%d-%H%M%S')}"]  # fmt: skip
+        if self.knobs.BENCHMARK_ONLY:
+            return train_args, [*bench_args, *self.argv]
+        return [*train_args, *self.argv], bench_args
+
+    def check(self, train_args):
+        """train.py --check_only: returns the run's log folder, where a failed phase leaves the nodes it
+        blames. Where only the container has the Python, it runs there, on the first node."""
+        here = os.getcwd() if self.knobs.CONTAINER_IMAGE else None  # a folder the container sees
+        with tempfile.TemporaryDirectory(prefix=".job-check-", dir=here) as folder:
+            checked = os.path.join(folder, "checked.json")
+            env = {**self.environ, "WORLD_SIZE": str(self.nproc * len(self.nodes)), "CHECKED_JSON": checked}
+            command = [self.python, "train.py", "--check_only", *train_args]
+            if self.scheduler.check(self.nodes[0], command, env, self.knobs.CONTAINER_IMAGE) != 0:
+                raise JobError("not started: train.py refused its options (above)", 2)
+            with open(checked) as file:
+                run_folder = json.load(file)["log_folder"]
+        with_stop = os.path.join(run_folder, STOP_FILE)
+        if os.path.exists(with_stop):  # an earlier start's: this start has had no stop yet
+            os.remove(with_stop)
+        return run_folder
+
+    def benchmark(self, bench_args):
+        """Phase 1 on every node. Returns its exit status, the report to give training (None: none) and
+        whether it ran."""
+        rest, folder, given = split_report(bench_args)
+        earlier = [self.report_name(folder, given, restart) for restart in range(self.scheduler.restarts)]
+        earlier = [report for report in earlier if report.exists()]
+        if self.knobs.SKIP_BENCHMARK:
+            print("SKIP_BENCHMARK=1: skipping the benchmarks")
+            return 0, None, False
+        if earlier and passed(earlier[-1]):
+            print("requeued run: skipping the benchmarks (they passed in this job's earlier start)")
+            return 0, earlier[-1], False
+        report = self.report_name(folder, given, self.scheduler.restarts)
+        log(f"phase 1: benchmark.py {' '.join(bench_args)}")
+        args = [*rest, f"--report={report}"]
+        if self.run_folder:
+            args.append(f"--suspects_folder={os.path.join(self.run_folder, 'suspects')}")
+        started = self.clock()
+        status = self.launch("benchmark.py", args, {})
+        self.benchmark_s = self.clock() - started
+        return status, report if report.exists() else None, True
+
+    def report_name(self, folder, given, restart):
+        """A start's benchmark report. benchmark.py refuses one that exists, so each start of a requeued job
+        has its own: benchmark_<job>.yaml, then benchmark_<job>_restart<N>.yaml; outside SLURM each run's is
+        named after the time."""
+        if given:
+            return given.with_name(f"{given.stem}_restart{restart}{given.suffix}") if restart else given
+        if self.scheduler.in_job:
+            return folder / f"benchmark_{self.scheduler.job_id}{f'_restart{restart}' if restart else ''}.yaml"
+        stem = f"benchmark_{time.strftime('%Y%m%d-%H%M%S')}"
+        while (folder / f"{stem}.yaml").exists():  # another run this second
+            stem += "_"
+        return folder / f"{stem}.yaml"
+
+    def train(self, train_args, report):
+        env = {"BENCHMARK_SECONDS": f"{self.benchmark_s:.1f}", "JOB_STOP_FILE": self.stop_file()}
+        if report:  # train.py points to it from the run folder (benchmark_reports.txt)
+            env["BENCHMARK_REPORT"] = str(report)
+        log(f"phase 2: train.py {' '.join(train_args)}")
+        status = self.launch("train.py", train_args, env)
+        log(f"training exited with status {status}")
+        if self.stop and status != 0:
+            return self.requeue(status)
+        return self.heal(status) if status else 0
+
+    def stop_file(self):
+        return os.path.join(self.run_folder, STOP_FILE)
+
+    def launch(self, script, args, env):
+        """One phase, torchrun on every node; returns its exit status. Meanwhile it hands a stop on to the
+        workers, and ends the step of a node that froze: once the other ranks blamed it and had time to
+        exit, and it still never lets its srun end."""
+        suspects = os.path.join(self.run_folder, "suspects") if self.run_folder else None
+        if suspects:
+            shutil.rmtree(suspects, ignore_errors=True)
+        torchrun = self.scheduler.torchrun(
+            self.python, self.nodes, self.nproc, self.knobs.TORCHRUN_MAX_RESTARTS
+        )
+        self.handle_signals()  # a stop that came before: its file is there when the workers look
+        process = self.scheduler.start(self.nodes, [*torchrun, script, *args], {**self.environ, **env})
+        ended = False
+        while process.poll() is None:
+            self.handle_signals()
+            if suspects and not ended and hang_blamed(suspects, HANG_GRACE_S):
+                log(f"a hang blamed a node {HANG_GRACE_S} s ago ({suspects}) and the step goes on: ending it")
+                self.scheduler.end(process)
+                ended = True
+            time.sleep(self.poll_s)
+        self.handle_signals()
+        return process.returncode
+
+    def handle_signals(self):
+        """Acts on the signals the handler saw: SIGTERM (the time limit, scancel) changes nothing, as the
+        workers get it too and the job waits for them; SIGUSR1 asks the workers to stop, by a file rank 0
+        looks for (one a worker that does not catch signals yet cannot die of)."""
+        while self.signals:
+            if self.signals.pop(0) == signal.SIGTERM:
+                log("SIGTERM: waiting for the training processes to exit")
+            elif not self.stop and self.stop_deadline is None:
+                self.time_limit_near()
+        if self.stop_deadline is not None and not self.stop and self.clock() >= self.stop_deadline:
+            log("the scaled lead is reached: checkpointing to requeue")
+            self.stop = True
+        if self.stop and self.run_folder and not os.path.exists(self.stop_file()):
+            try:  # the folder is train.py's to make, and it may not have yet
+                os.makedirs(self.run_folder, exist_ok=True)
+                heal.write_atomically(self.stop_file(), "SIGUSR1\n")
+            except OSError as error:  # tried again at the next poll
+                print(f"warning: cannot ask the workers to stop ({error})", file=sys.stderr)
+
+    def time_limit_near(self):
+        times = self.scheduler.time_left_s()
+        if times is None or times[0] <= EARLY_SIGNAL * times[1]:
+            log("SIGUSR1: time limit near, checkpointing to requeue")
+            self.stop = True
+            return
+        left, limit = times
+        self.stop_deadline = self.clock() + left - SCALED_LEAD * limit
+        print(
+            f"warning: SIGUSR1 came with {left:.0f} s of the job's {limit:.0f} s time limit left: the "
+            "lead of #SBATCH --signal is longer than this time limit allows, and each start would requeue at "
+            f"once; stopping with {SCALED_LEAD * limit:.0f} s left instead (give --signal=B:USR1@SECONDS "
+            f"less than {EARLY_SIGNAL:.0%} of --time)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def requeue(self, status):
+        """Requeues the job to resume from its checkpoint; status is the exit status if none is left."""
+        restarts, cap = self.scheduler.restarts, self.knobs.MAX_REQUEUES
+        if self.scheduler.in_job and restarts >= cap:
+            print(f"stopped for the time limit, but all MAX_REQUEUES={cap} requeues are used")
+            return status
+        if self.scheduler.in_job:
+            log(
+                f"requeueing job {self.scheduler.job_id} (restart {restarts + 1} of at most {cap}), "
+                "to resume from the checkpoint"
+            )
+        refused = self.scheduler.requeue()
+        if refused:
+            print(f"stopped and not requeued: {refused}", file=sys.stderr)
+            return status
+        return 0
+
+    def heal(self, status):
+        """After a failed phase that blamed nodes: they are added to <run folder>/excluded_nodes and the job
+        requeues without them, to resume from its last checkpoint on the others (docs/SLURM.md). A failure
+        that blames no node (bad input, a diverging loss, a full disk) stops the job, as does a node beyond
+        MAX_EXCLUDED_NODES. status is the exit status when the job stops."""
+        if not (self.scheduler.in_job and self.run_folder and self.knobs.MAX_EXCLUDED_NODES > 0):
+            return status
+        try:
+            nodes = heal.exclude(self.run_folder, self.knobs.MAX_EXCLUDED_NODES)
+        except heal.TooManyBadNodes as error:
+            print(f"error: stopping: {error}", file=sys.stderr)
+            return status
+        restarts, cap, job_id = self.scheduler.restarts, self.knobs.MAX_REQUEUES, self.scheduler.job_id
+        named = ",".join(nodes)
+        if nodes and restarts >= cap:
+            print(
+                f"error: stopping: {named} left out, but all MAX_REQUEUES={cap} requeues are used",
+                file=sys.stderr,
+            )
+        if not nodes or restarts >= cap:
+            return status
+        log(
+            f"leaving out {named} (why: {self.run_folder}/excluded_nodes); requeueing job {job_id} "
+            f"(restart {restarts + 1} of at most {cap}) to resume on the other nodes"
+        )
+        return self.requeue_without(nodes, status)
+
+    def requeue_without(self, nodes, status):
+        excluded = self.scheduler.excluded()  # as SLURM writes it: n[2-3] names n2 and n3
+        refused = self.scheduler.set_comment(slurm.with_left_out(self.scheduler.comment(), nodes))
+        refused = refused or self.scheduler.requeue()
+        if refused:
+            print(
+                f"error: stopping: SLURM refused to requeue the job without {','.join(nodes)}: {refused}",
+                file=sys.stderr,
+            )
+            return status
+        # A running job's node list cannot change. Once requeued it can, until it starts again; SLURM may
+        # refuse while the job completes, and then the comment above keeps the next start off these nodes.
+        for _ in range(10):
+            if self.scheduler.exclude(",".join(dict.fromkeys(filter(None, [excluded, *nodes])))) is None:
+                return 0
+            time.sleep(self.retry_s)
+        log(
+            f"SLURM refused ExcNodeList={','.join(nodes)} for now: the next start may be given them, and "
+            "runs on its other nodes"
+        )
+        return 0
+
+
+def hang_blamed(suspects, seconds):
+    """Whether a watchdog named, at least seconds ago, the node its rank waits for (suspects/hang_rank<R>)."""
+    try:
+        names = [name for name in os.listdir(suspects) if name.startswith("hang_")]
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if time.time() - os.stat(os.path.join(suspects, name)).st_mtime >= seconds:
+                return True
+        except OSError:
+            continue  # removed meanwhile
+    return False
+
+
+def main(argv):
+    sys.stdout.reconfigure(line_buffering=True)  # the job's lines among its workers', in order
+    try:
+        knobs = read_knobs(os.environ)
+        scheduler = slurm.scheduler(os.environ, knobs.CONTAINER_IMAGE)
+        # in a container, the job itself runs on the host's python3, its workers on the container's python
+        python = "python" if knobs.CONTAINER_IMAGE and scheduler.in_job else sys.executable
+        job = Job(knobs, scheduler, argv, python, dict(os.environ))
+        for number in (signal.SIGUSR1, signal.SIGTERM):  # SLURM sends SIGUSR1 to the job alone
+            signal.signal(number, job.on_signal)
+        if os.environ.get("JOB_SIGUSR1"):  # it came before this process started (slurm_submit.sh)
+            job.signals.append(signal.SIGUSR1)
+        return job.run()
+    except JobError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,410 @@
+"""The job's decisions (run/job.py) through a fake scheduler: no SLURM, no root, seconds. The fake keeps what
+SLURM would (the job's comment, its excluded nodes, its requeues) and starts the job again after each requeue
+on the nodes it may use, as SLURM does; each phase is a fake launch whose outcome the test scripts.
+tests/test_slurm.py proves the same on a real SLURM."""
+
+import itertools
+import json
+import os
+import signal
+import time
+
+import pytest
+from conftest import TINY, launch
+
+from run import heal, job, slurm
+
+HOSTS = ["n1", "n2", "n3"]
+
+
+class FakeLaunch:
+    """A phase's launch: ends with status once outcome(self) returns one (None: still running)."""
+
+    def __init__(self, outcome, env):
+        self.outcome, self.env, self.returncode, self.polls = outcome, env, None, 0
+
+    def poll(self):
+        if self.returncode is None:
+            self.polls += 1
+            self.returncode = self.outcome(self)
+        return self.returncode
+
+
+class FakeSlurm:
+    """run/slurm.py's Slurm, with SLURM's side kept in memory. phases(script, nodes, launch) gives each
+    launch's exit status on each poll (None: still running)."""
+
+    in_job, job_id = True, "42"
+
+    def __init__(self, run_folder, phases, comment="", time_left=None, refuse_exclude=0):
+        self.run_folder, self.phases, self.comment_text, self.time_left = (
+            str(run_folder),
+            phases,
+            comment,
+            time_left,
+        )
+        self.restarts, self.hosts, self.excluded_nodes, self.requeues = 0, list(HOSTS), "", 0
+        self.refuse_exclude, self.launches, self.ended = refuse_exclude, [], []
+
+    def hostnames(self):
+        return list(self.hosts)
+
+    def comment(self):
+        return self.comment_text
+
+    def set_comment(self, text):
+        self.comment_text = text
+
+    def excluded(self):
+        return self.excluded_nodes
+
+    def exclude(self, nodes):
+        if self.refuse_exclude:
+            self.refuse_exclude -= 1
+            return "Job is in transition"
+        self.excluded_nodes = nodes
+
+    def requeue(self):
+        self.requeues += 1
+
+    def time_left_s(self):
+        return self.time_left
+
+    def torchrun(self, python, nodes, nproc, max_restarts):
+        return ["torchrun", f"--nnodes={len(nodes)}", f"--nproc_per_node={nproc}"]
+
+    def check(self, node, command, env, container_image):  # it names the run folder, which train.py makes
+        with open(env["CHECKED_JSON"], "w") as file:
+            json.dump({"log_folder": self.run_folder}, file)
+        return 0
+
+    def start(self, nodes, command, env):
+        script = command[3]
+        process = FakeLaunch(lambda process: self.phases(script, nodes, process), env)
+        if script == "benchmark.py":
+            process.report = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--report="))
+        self.launches.append((self.restarts, script, list(nodes), process))
+        return process
+
+    def end(self, process):
+        self.ended.append(process)
+        process.returncode = 130
+
+
+@pytest.fixture
+def job_signals(monkeypatch):
+    """SIGUSR1 to this process goes to the start of the job running now, as main() sets it up."""
+    original = job.Job.__init__
+
+    def init(start, *args):
+        original(start, *args)
+        signal.signal(signal.SIGUSR1, start.on_signal)
+
+    monkeypatch.setattr(job.Job, "__init__", init)
+    previous = signal.getsignal(signal.SIGUSR1)
+    yield
+    signal.signal(signal.SIGUSR1, previous)
+
+
+def run_job(scheduler, argv=(), clock=None, **knobs):
+    """Starts the job, and again after each requeue, as SLURM would: on the nodes it has not excluded.
+    Returns the exit status of each start."""
+    knobs = job.read_knobs({"NPROC_PER_NODE": "1", **{name: str(value) for name, value in knobs.items()}})
+    statuses = []
+    while len(statuses) < 10:
+        start = job.Job(knobs, scheduler, list(argv), "python", {})
+        start.poll_s = start.retry_s = 0
+        start.clock = clock or start.clock
+        requeues = scheduler.requeues
+        statuses.append(start.run())
+        if scheduler.requeues == requeues:
+            return statuses
+        scheduler.restarts += 1
+        scheduler.hosts = [host for host in HOSTS if host not in scheduler.excluded_nodes.split(",")]
+    raise AssertionError(f"the job requeued 10 times: {statuses}")
+
+
+def blame(run_folder, name, nodes):
+    heal.write_suspects(run_folder, name, {node: f"{name} blamed it" for node in nodes})
+
+
+def passing_benchmark(process, verdict="pass"):
+    with open(process.report, "w") as file:
+        file.write(f"world:\n  nodes: 3\nverdict: {verdict}\n")
+    return 0
+
+
+def launched(scheduler):
+    return [(restart, script, " ".join(nodes)) for restart, script, nodes, _ in scheduler.launches]
+
+
+def test_a_node_failing_the_benchmark_is_left_out_and_the_job_requeues_without_it(tmp_path, capsys):
+    def phases(script, nodes, process):
+        if script == "benchmark.py" and "n3" in nodes:
+            blame(tmp_path, "benchmark", ["n3"])
+            return 1
+        return passing_benchmark(process) if script == "benchmark.py" else 0
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    assert run_job(scheduler, clock=itertools.count(0, 7).__next__) == [0, 0]  # a benchmark takes 7 s
+    assert launched(scheduler) == [(0, "benchmark.py", "n1 n2 n3"), (1, "benchmark.py", "n1 n2"),
+                                   (1, "train.py", "n1 n2")]  # fmt: skip
+    assert scheduler.comment_text == "left_out=n3" and scheduler.excluded_nodes == "n3"
+    assert list(heal.read_excluded(tmp_path / "excluded_nodes")[0]) == ["n3"]
+    out = capsys.readouterr().out
+    assert "leaving out n3 (why: " in out and "requeueing job 42 (restart 1 of at most 5)" in out
+    # the requeued start's benchmark has a report of its own, which training is pointed to
+    training_env = scheduler.launches[-1][3].env
+    assert training_env["BENCHMARK_REPORT"] == "logs/benchmark_42_restart1.yaml"
+    assert training_env["BENCHMARK_SECONDS"] == "7.0"  # this start's benchmark, for the goodput ledger
+
+
+@pytest.fixture(autouse=True)
+def reports_in_tmp(tmp_path, monkeypatch):
+    """The job's default report folder, logs/, is relative: the tests run in tmp_path."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+
+
+def test_nodes_are_left_out_one_requeue_each_and_the_job_stops_past_the_cap(tmp_path, capsys):
+    """n3 fails the benchmark, then n2 hangs training: two nodes out, one requeue each; a third would pass
+    MAX_EXCLUDED_NODES=2, and the job stops with one line naming all three."""
+
+    def phases(script, nodes, process):
+        if script == "benchmark.py":
+            if "n3" in nodes:
+                blame(tmp_path, "benchmark", ["n3"])
+                return 1
+            return passing_benchmark(process)
+        blame(tmp_path, "hang_rank0", [nodes[-1]])  # each training start blames its last node
+        return 3
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    assert run_job(scheduler, MAX_EXCLUDED_NODES=2) == [0, 0, 3]
+    scheduler_hosts = [nodes for restart, script, nodes in launched(scheduler) if script == "train.py"]
+    assert scheduler_hosts == ["n1 n2", "n1"]
+    assert list(heal.read_excluded(tmp_path / "excluded_nodes")[0]) == ["n3", "n2", "n1"]
+    err = capsys.readouterr().err
+    assert err.count("error: stopping: 3 bad nodes, more than MAX_EXCLUDED_NODES=2: n3 (") == 1, err
+    assert scheduler.excluded_nodes == "n3,n2" and scheduler.comment_text == "left_out=n3,n2"
+
+
+def test_the_cap_on_requeues_stops_the_job_with_the_node_it_would_leave_out(tmp_path, capsys):
+    def phases(script, nodes, process):
+        blame(tmp_path, "hang_rank0", [nodes[-1]])
+        return 3
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    assert run_job(scheduler, SKIP_BENCHMARK=1, MAX_REQUEUES=1, MAX_EXCLUDED_NODES=5) == [0, 3]
+    assert (
+        "error: stopping: n3,n2 left out, but all MAX_REQUEUES=1 requeues are used" in capsys.readouterr().err
+    )
+    assert scheduler.requeues == 1
+
+
+def test_a_failure_that_blames_no_node_stops_the_job(tmp_path, capsys):
+    scheduler = FakeSlurm(tmp_path, lambda script, nodes, process: 1)
+    assert run_job(scheduler, SKIP_BENCHMARK=1) == [1]
+    assert scheduler.requeues == 0 and "leaving out" not in capsys.readouterr().out
+
+
+def test_a_node_left_out_before_stays_out_when_slurm_allocates_it_again(tmp_path, capsys):
+    scheduler = FakeSlurm(tmp_path, lambda script, nodes, process: 0, comment="keep me left_out=n3")
+    assert run_job(scheduler, SKIP_BENCHMARK=1) == [0]
+    assert launched(scheduler) == [(0, "train.py", "n1 n2")]
+    assert "running on n1 n2 alone: this job left out n3 before" in capsys.readouterr().out
+
+
+def test_an_exclusion_slurm_refuses_for_now_is_kept_by_the_comment(tmp_path, capsys):
+    def phases(script, nodes, process):
+        if "n3" in nodes:
+            blame(tmp_path, "hang_rank0", ["n3"])
+            return 3
+        return 0
+
+    scheduler = FakeSlurm(tmp_path, phases, refuse_exclude=10)
+    scheduler.requeue = lambda: setattr(scheduler, "requeues", scheduler.requeues + 1)
+    knobs = job.read_knobs({"SKIP_BENCHMARK": "1"})
+    start = job.Job(knobs, scheduler, [], "python", {})
+    start.poll_s = start.retry_s = 0
+    assert start.run() == 0 and scheduler.requeues == 1 and scheduler.excluded_nodes == ""
+    assert "SLURM refused ExcNodeList=n3 for now" in capsys.readouterr().out
+    assert scheduler.comment_text == "left_out=n3"  # the next start, given n3 again, runs without it
+
+
+def stops_when_asked(then=None):
+    """A training launch that checkpoints and exits 75 once the job's stop file appears; then(process), if
+    given, is called on each poll before (a signal arriving, say)."""
+
+    def outcome(process):
+        if os.path.exists(process.env["JOB_STOP_FILE"]):
+            return 75
+        if then:
+            then(process)
+        return None
+
+    return outcome
+
+
+def test_the_time_limit_requeues_until_the_requeues_are_used(tmp_path, capsys, job_signals):
+    starts = []
+
+    def phases(script, nodes, process):
+        starts.append(process)
+        return stops_when_asked(lambda process: os.kill(os.getpid(), signal.SIGUSR1))(process)
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    assert run_job(scheduler, SKIP_BENCHMARK=1, MAX_REQUEUES=2) == [0, 0, 75]
+    out = capsys.readouterr().out
+    assert out.count("SIGUSR1: time limit near, checkpointing to requeue") >= 3
+    assert "requeueing job 42 (restart 2 of at most 2)" in out
+    assert "stopped for the time limit, but all MAX_REQUEUES=2 requeues are used" in out
+
+
+def test_a_stop_before_the_workers_catch_signals_reaches_them_once_they_train(tmp_path, job_signals):
+    """SIGUSR1 during the options' check: nothing is signalled; training starts with the stop file there
+    (train.py's rank 0 looks for it once training has started), checkpoints, and the job requeues. The run
+    folder, which train.py has not made yet, is made for it."""
+
+    def phases(script, nodes, process):
+        if os.path.exists(process.env["JOB_STOP_FILE"]):
+            return 75
+        return 0 if process.polls > 3 else None
+
+    scheduler = FakeSlurm(tmp_path / "run", phases)
+    checked = scheduler.check
+
+    def check_during_which_the_signal_comes(*args):
+        if scheduler.restarts == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return checked(*args)
+
+    scheduler.check = check_during_which_the_signal_comes
+    assert run_job(scheduler, SKIP_BENCHMARK=1) == [0, 0]
+    assert launched(scheduler) == [(0, "train.py", "n1 n2 n3"), (1, "train.py", "n1 n2 n3")]
+    first, requeued = (process for _, _, _, process in scheduler.launches)
+    assert (first.polls, first.returncode) == (1, 75)  # the file was there before its first look
+    assert requeued.returncode == 0  # the requeued start does not inherit the earlier start's stop
+
+
+def test_a_stop_during_the_benchmarks_requeues_before_training(tmp_path, job_signals):
+    def phases(script, nodes, process):
+        if script == "benchmark.py" and scheduler.restarts == 0:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return passing_benchmark(process) if script == "benchmark.py" else 0
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    assert run_job(scheduler) == [0, 0]
+    # the requeued start skips the benchmarks that passed, trains, and the earlier stop is not its own
+    assert launched(scheduler) == [(0, "benchmark.py", "n1 n2 n3"), (1, "train.py", "n1 n2 n3")]
+    assert scheduler.launches[1][3].env["BENCHMARK_REPORT"] == "logs/benchmark_42.yaml"
+    assert not (tmp_path / job.STOP_FILE).exists()
+
+
+def test_a_signal_lead_longer_than_the_time_limit_allows_warns_and_stops_at_a_tenth(
+    tmp_path, capsys, job_signals
+):
+    """--signal=B:USR1@300 under --time=3: SIGUSR1 comes with 175 of 180 s left; acting on it would requeue
+    at once, every start. The job warns and stops with 18 s left instead."""
+    now = [0.0]
+
+    def phases(script, nodes, process):
+        if process.polls == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        now[0] += 10  # each poll, 10 s pass
+        return 75 if os.path.exists(process.env["JOB_STOP_FILE"]) else None
+
+    scheduler = FakeSlurm(tmp_path, phases, time_left=(175, 180))
+    assert run_job(scheduler, clock=lambda: now[0], SKIP_BENCHMARK=1, MAX_REQUEUES=0) == [75]
+    polls = scheduler.launches[0][3].polls
+    assert 15 <= polls <= 18, polls  # (175 - 18) s at 10 s a poll, not at once
+    err = capsys.readouterr().err
+    assert err.count("warning: SIGUSR1 came with 175 s of the job's 180 s time limit left") == 1, err
+    assert "stopping with 18 s left instead" in err
+
+
+def test_a_hang_blamed_on_a_node_ends_the_step_and_the_node_is_left_out(tmp_path, capsys):
+    """n3 froze: its srun never ends. Rank 0's watchdog named it 20 s ago; the job ends the step."""
+
+    def phases(script, nodes, process):
+        if "n3" not in nodes:
+            return 0
+        if process.polls == 1:
+            blame(tmp_path, "hang_rank0", ["n3"])
+            past = time.time() - 20
+            os.utime(tmp_path / "suspects" / "hang_rank0.json", (past, past))
+        return None  # never ends by itself
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    assert run_job(scheduler, SKIP_BENCHMARK=1) == [0, 0]
+    assert len(scheduler.ended) == 1 and scheduler.excluded_nodes == "n3"
+    assert "a hang blamed a node 15 s ago" in capsys.readouterr().out
+    assert launched(scheduler)[-1] == (1, "train.py", "n1 n2")
+
+
+def test_a_recent_hang_is_left_to_the_watchdogs_of_the_other_ranks(tmp_path):
+    blame(tmp_path, "hang_rank1", ["n2"])
+    assert not job.hang_blamed(tmp_path / "suspects", job.HANG_GRACE_S)
+    assert not job.hang_blamed(tmp_path / "nowhere", job.HANG_GRACE_S)
+
+
+def test_bad_knobs_are_refused_in_one_line():
+    with pytest.raises(job.JobError, match=r"^MAX_REQUEUES=five: give a whole number") as refused:
+        job.read_knobs({"MAX_REQUEUES": "five"})
+    assert refused.value.status == 2
+
+
+def test_a_damaged_excluded_nodes_file_is_read_as_far_as_it_goes(tmp_path):
+    """Bytes that are not text and a torn last line: the nodes still named stay out, the new one is added on
+    a line of its own, and the suspects are removed only once it is written."""
+    path = tmp_path / "excluded_nodes"
+    path.write_bytes(b"n1\t2026-01-01T00:00:00Z\tslow \xff\xfe disk\nn2\t2026-01-0")
+    blame(tmp_path, "benchmark", ["n3"])
+    assert heal.exclude(str(tmp_path), 5) == ["n1", "n3"]
+    assert path.read_text(errors="replace").splitlines()[2].startswith("n3\t")
+    assert not list((tmp_path / "suspects").iterdir())
+
+
+def test_the_suspects_stay_when_the_exclusion_cannot_be_written(tmp_path):
+    (tmp_path / "excluded_nodes").mkdir()  # not a file: no write can land
+    blame(tmp_path, "benchmark", ["n3"])
+    with pytest.raises(OSError):
+        heal.exclude(str(tmp_path), 5)
+    assert [path.name for path in (tmp_path / "suspects").iterdir()] == ["benchmark.json"]
+
+
+def test_the_scheduler_reads_slurm_durations_and_the_left_out_comment():
+    assert slurm.duration_s("1-02:03:04") == 93784 and slurm.duration_s("00:03:00") == 180
+    assert slurm.duration_s("UNLIMITED") is None
+    assert slurm.left_out("(null)") == [] and slurm.left_out("x left_out=n1,n2") == ["n1", "n2"]
+    assert slurm.with_left_out("x left_out=n1", ["n1", "n2"]) == "x left_out=n1,n2"
+
+
+def test_the_options_check_writes_the_log_folder_for_the_job(tmp_path):
+    """train.py --check_only, as the job runs it: the folder comes from a file, not from the output."""
+    checked = tmp_path / "checked.json"
+    result = launch(
+        "train.py",
+        ["--check_only", *TINY, f"--log_dir={tmp_path}", "--run_name=r"],
+        nproc=0,
+        env={"CHECKED_JSON": str(checked)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(checked.read_text()) == {"log_folder": f"{tmp_path}/r"}
+
+
+def test_a_stop_file_present_before_training_stops_it_after_one_step_not_before(tmp_path):
+    """A plain train.py given the job's stop file, there from the start: the stop is held until training
+    runs, then the run checkpoints after step 1 and exits 75 for the job to requeue."""
+    stop = tmp_path / job.STOP_FILE
+    stop.write_text("SIGUSR1\n")
+    result = launch(
+        "train.py",
+        [*TINY, "--data=dummy", "--max_steps=50", f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}"],
+        nproc=0,
+        env={"JOB_STOP_FILE": str(stop)},
+    )
+    assert result.returncode == 75, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "the job asks for a stop" in result.stdout
+    step = int(result.stdout.split("stopped by signal after step ")[1].split(";")[0])
+    assert 1 <= step <= 2 and list(tmp_path.glob(f"*/step_{step}")), result.stdout[-2000:]
