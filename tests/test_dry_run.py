@@ -142,7 +142,7 @@ def test_default_model_is_about_4b():
 
 
 def test_a_machine_that_cannot_hold_the_run_refuses_it_before_building_it(tmp_path):
-    from benchmark import available_memory_bytes
+    from common.node import available_memory_bytes
 
     if available_memory_bytes() > 70e9:
         pytest.skip("this machine could hold the 4b model's 64 GB of state")
