@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.node import local_device
+
 SECTIONS = ("gpu", "nccl", "links", "storage", "cpu", "memory")
 
 # Sizes per mode; the CLI overrides some. Default: under 60 s per 8-GPU node (docs/PERFORMANCE.md).
@@ -62,11 +64,8 @@ class World:
 
 def start_world() -> World:
     """torchrun's environment, or a one-rank group for a plain `python benchmark.py`."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    device = local_device()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     options = {"device_id": device} if device.type == "cuda" else {}
     if "RANK" in os.environ:
         dist.init_process_group(backend, **options)
@@ -76,7 +75,7 @@ def start_world() -> World:
     return World(
         dist.get_rank(),
         dist.get_world_size(),
-        local_rank,
+        int(os.environ.get("LOCAL_RANK", 0)),
         int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
         device,
         cpu_group,

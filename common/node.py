@@ -7,6 +7,8 @@ import socket
 import time
 from pathlib import Path
 
+import torch
+
 from common.files import write_atomically
 
 
@@ -21,6 +23,16 @@ def available_memory_bytes() -> int:
 def node_name() -> str:
     """This node as SLURM names it (what sbatch --exclude takes); its hostname outside a job."""
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def local_device() -> torch.device:
+    """This process's device: its local rank's GPU, made the current one so that NCCL and every
+    allocation land there, or the CPU where there is no GPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device
 
 
 def write_suspects(folder, name, suspects):
