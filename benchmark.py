@@ -10,9 +10,10 @@ Launch it the way training is launched, one process per GPU on every node:
 Sections, chosen with --only / --skip: gpu, nccl (collectives; gloo on CPU), links (between
 nodes), storage (--storage_path), cpu, memory. GPU work runs on every local GPU at once; per-node
 work (storage, cpu, memory) runs on local rank 0 while the node's other ranks wait, so nothing
-competes with it. Rank 0 writes <report_dir>/benchmark_<jobid>.yaml (the cluster), each node's
-local rank 0 writes <report_dir>/benchmark_<jobid>_rank<R>.yaml (that node), and rank 0 prints
-the checks, fails first, then warns.
+competes with it. Rank 0 writes the cluster report, --report=PATH or else
+<report_dir>/benchmark_<jobid>.yaml (_2, _3... when that name is taken: a report never replaces
+another), with its picture (.png) and the nodes' history beside it; each node's local rank 0 writes
+<stem>_rank<R>.yaml (that node). Rank 0 prints the checks, fails first, then warns, and the paths.
 
 Checks are fail, warn, pass or skip. Fail is kept for what training depends on: GPU compute and
 memory (against the datasheet, their peers, and their own first second: throttling), collectives
@@ -23,8 +24,8 @@ Exit status: 0 pass or warn, 1 fail (or warn with --fail_on_warn), 2 bad input.
 GPU figures are sustained: at least 1 s of warm-up, then back-to-back loops of seconds timed by
 CUDA events; other figures are medians of repeats after warm-up. Bytes and FLOPs are counted as
 STREAM and nccl-tests count them; GB = 1e9 bytes. What each figure means and how to read it:
-docs/BENCHMARK_FEATURES.md. Importing this module only defines things, so that train.py can use
-`datasheet()` for MFU.
+docs/BENCHMARK_FEATURES.md. The measurements are in checks/, one module per section; what train.py
+shares with them (the GPU datasheet, node names, suspects) in common/.
 """
 
 import os
