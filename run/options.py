@@ -321,7 +321,7 @@ def check_trackers(args):
 
 
 def gpu_memory_gb(gpu):
-    """--gpu as (its name, its memory in GB): a name of benchmark.py's datasheet, or a number of GB."""
+    """--gpu as (its name, its memory in GB): a name of the GPU datasheet, or a number of GB."""
     memory = None
     with contextlib.suppress(ValueError):
         memory = float(gpu)
@@ -332,7 +332,8 @@ def gpu_memory_gb(gpu):
     sheet = datasheet(gpu)
     if sheet is None:
         raise ConfigError(
-            f"--gpu={gpu} is not in benchmark.py's datasheet; give its memory in GB, e.g. --gpu=80"
+            f"--gpu={gpu} is not in the GPU datasheet (common/datasheet.py); give its memory in GB, "
+            "e.g. --gpu=80"
         )
     return gpu, sheet["memory_GB"]
 

@@ -241,7 +241,7 @@ class Progress:
 
 
 def peak_flops(device):
-    """Dense bf16 peak of one device from benchmark.py's datasheet table; None on CPU or an unknown GPU."""
+    """Dense bf16 peak of one device from the GPU datasheet; None on CPU or an unknown GPU."""
     if device.type != "cuda":
         return None
     sheet = datasheet(torch.cuda.get_device_name(device))
