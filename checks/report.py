@@ -3,6 +3,7 @@ failed nodes for the job script.
 """
 
 import contextlib
+import glob
 import itertools
 from pathlib import Path
 
@@ -55,7 +56,7 @@ def claim_report_path(cfg: dict, job_id: str, report: dict) -> Path:
     for attempt in itertools.count(1):
         stem = f"benchmark_{job_id}" + (f"_{attempt}" if attempt > 1 else "")
         path = Path(cfg["report_dir"]) / f"{stem}.yaml"
-        if any(path.parent.glob(f"{stem}_rank*.yaml")):
+        if any(path.parent.glob(f"{glob.escape(stem)}_rank*.yaml")):
             continue
         with contextlib.suppress(FileExistsError):
             create_atomically(path, as_yaml(report))
