@@ -108,7 +108,7 @@ check_only: bool = False            # check the options, print the log folder, e
 dry_run: bool = False               # simulate training steps on fake tensors: peak memory per GPU, FLOPs
 world_size: int | None = None       # dry run: the world size simulated; None: $WORLD_SIZE, else 8
 gpus_per_node: int = 8              # dry run: GPUs per node, for --sharding=hybrid
-gpu: str = "H100"                   # dry run: a GPU of benchmark.py's datasheet, or its memory in GB
+gpu: str = "H100"                   # dry run: a GPU of common/datasheet.py, or its memory in GB
 # When a run misbehaves (docs/SLURM.md): a watchdog per rank, and a profiler on demand
 hang_minimum_s: float = 300.0       # watchdog: no optimizer step for max(this, hang_factor x median step
 hang_factor: float = 10.0           #   time) is a hang: stacks to the run's log folder, one line, exit HUNG

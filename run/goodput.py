@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from run.heal import write_atomically
+from common.files import write_atomically
 
 LEDGER = "goodput.json"
 PARTS = (

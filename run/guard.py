@@ -17,7 +17,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from run.heal import HEARTBEAT_S, SILENT_S, Heartbeats, node_name, write_suspects
+from common.node import node_name
+from common.stragglers import slower_than_peers
+from run.heal import HEARTBEAT_S, SILENT_S, Heartbeats, write_suspects
 from run.options import profiled_steps
 
 STOPPED_BY_SIGNAL = 75  # exit status after a signal-triggered checkpoint: the launcher requeues
@@ -28,7 +30,6 @@ HUNG = 3  # exit status of a rank its watchdog ended
 PG_TIMEOUT_FIRST_STEP = timedelta(minutes=30)
 PG_TIMEOUT = timedelta(minutes=10)
 FR_BUFFER_SIZE = 20000  # NCCL flight recorder: the last collectives kept per rank (torchtitan's)
-STRAGGLER_MARGIN = 0.10  # a rank this far above the median compute or data-wait time is named
 STRAGGLER_LOG_WINDOWS = 3  # named in this many log windows in a row: a warning to exclude its node
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Signals this soon after the first are the same stop: torchrun forwards to its workers the SIGTERM or
@@ -328,25 +329,6 @@ class RankTimes:
         return torch.stack(gathered).tolist() if master else None
 
 
-def find_stragglers(names, timings, margin=STRAGGLER_MARGIN):
-    """The medians, and the ranks more than margin above the median compute or data-wait time, as
-    {name: {figure: seconds}}. names: host:local_rank per rank; timings: (compute s, data s) per rank. The
-    excess must also be margin of the median compute and data time together: a data wait of microseconds
-    twice the median is noise."""
-    medians = dict(zip(("compute_s", "data_wait_s"), (statistics.median(column) for column in zip(*timings))))
-    floor = margin * sum(medians.values())
-    named = {}
-    for name, values in zip(names, timings):
-        slow = {
-            key: value
-            for (key, median), value in zip(medians.items(), values)
-            if value > (1 + margin) * median and value - median > floor
-        }
-        if slow:
-            named[name] = slow
-    return medians, named
-
-
 class Stragglers:
     """Rank 0's view of the stragglers, log window after log window. exclude(node, why) is called for a node
     one of whose ranks has been named exclude_after windows in a row (0: never)."""
@@ -359,7 +341,9 @@ class Stragglers:
         named STRAGGLER_LOG_WINDOWS windows in a row."""
         if not steps:
             return {}
-        medians, named = find_stragglers(self.names, [[value / steps for value in rank] for rank in timings])
+        medians, named = slower_than_peers(
+            self.names, [[value / steps for value in rank] for rank in timings]
+        )
         self.streaks = {name: self.streaks.get(name, 0) + 1 for name in named}
         for name, streak in self.streaks.items():
             node, figures = name.rpartition(":")[0], describe_straggler(named[name], medians)

@@ -4,17 +4,15 @@ of a node that straggles window after window, written to <log_dir>/<run_name>/su
 
 import json
 import os
-import socket
 import sys
 import time
 
+from common.files import write_atomically
+from common.node import node_name
+from common.node import write_suspects as common_write_suspects
+
 HEARTBEAT_S = 5.0  # each rank's heartbeat file is rewritten this often
 SILENT_S = 4 * HEARTBEAT_S  # a heartbeat this old: the rank's process is stopped, dead or cut off
-
-
-def node_name():
-    """This node as SLURM names it, the name sbatch --exclude takes; its hostname outside a job."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def waiting_in_collective(thread_id):
@@ -22,13 +20,6 @@ def waiting_in_collective(thread_id):
     (or in FSDP's wait for one) waits for others; a rank stuck anywhere else is what they wait for."""
     frame = sys._current_frames().get(thread_id)
     return frame is not None and f"torch{os.sep}distributed{os.sep}" in frame.f_code.co_filename
-
-
-def write_atomically(path, text):
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as file:
-        file.write(text)
-    os.replace(temporary, path)
 
 
 class Heartbeats:
@@ -98,11 +89,7 @@ def write_suspects(folder, name, suspects):
     """Adds {node: why} to the suspects the job (run/job.py) reads once the phase has ended, as <name>.json:
     each writer its own file (hang_rank<R>: the watchdog of rank R, whose step the job ends if it hangs
     on; straggler: rank 0; benchmark: benchmark.py)."""
-    if not suspects:
-        return
-    os.makedirs(os.path.join(folder, "suspects"), exist_ok=True)
-    path = os.path.join(folder, "suspects", f"{name}.json")
-    write_atomically(path, json.dumps({"time": time.time(), "nodes": suspects}))
+    common_write_suspects(os.path.join(folder, "suspects"), name, suspects)
 
 
 class TooManyBadNodes(Exception):

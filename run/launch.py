@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from common.node import available_memory_bytes, local_device
 from run.checkpoints import checkpoint_step
 from run.guard import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
 from run.options import ConfigError, exit_after_the_speaker, fail, launched_world_size
@@ -23,8 +24,6 @@ from run.options import ConfigError, exit_after_the_speaker, fail, launched_worl
 def check_machine_holds(args, meta_model):
     """Refuses, before any model is built, a run whose weights, gradients and AdamW state alone (16 bytes a
     parameter in fp32, sharded over the ranks) exceed this node's memory: GPU memory, or host memory."""
-    from benchmark import available_memory_bytes
-
     n_params = sum(p.numel() for p in meta_model.parameters())
     world_size = launched_world_size(args)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
@@ -165,8 +164,7 @@ def setup_distributed(args, log_folder):
         if "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
             os.environ.setdefault("PYTORCH_ALLOC_CONF", "expandable_segments:True")
         flight_recorder_env(os.environ, log_folder)
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+        device = local_device()
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.compile:
         check_compiler(device)

@@ -10,14 +10,17 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 import tempfile
-import time
 import types
 
 import torch
 import yaml
+
+from common.datasheet import datasheet
+
+# Re-exported: train.py, sample.py and run/ take the error style from here.
+from common.errors import ConfigError, exit_after_the_speaker, fail, report_config_error  # noqa: F401
 
 CHOICES = {
     "sharding": ("full", "grad_op", "hybrid", "ddp"),
@@ -57,39 +60,6 @@ def print_help(script, first_line="# Model: a preset"):
     except BrokenPipeError:  # `--help | head` has what it wanted; the flush at exit must not fail either
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
-
-
-class ConfigError(ValueError):
-    """Bad user input: reported as one line and exit status 2, before anything expensive. Every rank finds
-    the same error, so one says it: global rank 0, or for what differs by node local rank 0 of each node."""
-
-    def __init__(self, message, per_node=False):
-        super().__init__(message)
-        self.per_node = per_node
-
-
-def report_config_error(error):
-    speaker = os.environ.get("LOCAL_RANK" if error.per_node else "RANK", "0") == "0"
-    fail(error) if speaker else exit_after_the_speaker()
-
-
-def fail(message):
-    print("\n".join(f"error: {line}" for line in str(message).splitlines()), file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
-SPEAKER_WAIT_S = 30
-
-
-def exit_after_the_speaker():
-    """Exit status 2, without a word, for a rank that leaves an error every rank met to one rank to say.
-    torchrun ends every rank once one exits, so a silent rank that left first could end the speaker before
-    its line was out (seen under torchrun: a checkpoint of another shape refused with no line at all). So it
-    waits, dies quietly when torchrun ends it, and exits by itself after SPEAKER_WAIT_S."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    time.sleep(SPEAKER_WAIT_S)
-    sys.exit(2)
 
 
 def parse_args(argv, constants):
@@ -444,9 +414,7 @@ def check_trackers(args):
 
 
 def gpu_memory_gb(gpu):
-    """--gpu as (its name, its memory in GB): a name of benchmark.py's datasheet, or a number of GB."""
-    from benchmark import datasheet
-
+    """--gpu as (its name, its memory in GB): a name of the GPU datasheet, or a number of GB."""
     memory = None
     with contextlib.suppress(ValueError):
         memory = float(gpu)
@@ -457,7 +425,8 @@ def gpu_memory_gb(gpu):
     sheet = datasheet(gpu)
     if sheet is None:
         raise ConfigError(
-            f"--gpu={gpu} is not in benchmark.py's datasheet; give its memory in GB, e.g. --gpu=80"
+            f"--gpu={gpu} is not in the GPU datasheet (common/datasheet.py); give its memory in GB, "
+            "e.g. --gpu=80"
         )
     return gpu, sheet["memory_GB"]
 

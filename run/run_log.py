@@ -14,10 +14,13 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from common.datasheet import datasheet
+from common.files import write_atomically
+from common.node import node_name
 from run import goodput
 from run.checkpoints import newest_checkpoint
 from run.guard import RankTimes, Stragglers, describe_straggler
-from run.heal import node_name, write_atomically, write_suspects
+from run.heal import write_suspects
 from run.options import ConfigError, exit_after_the_speaker, fail
 
 
@@ -239,11 +242,9 @@ class Progress:
 
 
 def peak_flops(device):
-    """Dense bf16 peak of one device from benchmark.py's datasheet table; None on CPU or an unknown GPU."""
+    """Dense bf16 peak of one device from the GPU datasheet; None on CPU or an unknown GPU."""
     if device.type != "cuda":
         return None
-    from benchmark import datasheet
-
     sheet = datasheet(torch.cuda.get_device_name(device))
     return sheet["bf16"] * 1e12 if sheet and sheet.get("bf16") else None
 

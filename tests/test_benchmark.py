@@ -14,11 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 
+import benchmark
+from checks import collectives, gpu, host, storage, timing, verdicts, world
+from common import datasheet, stragglers
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import benchmark  # noqa: E402
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
@@ -52,7 +55,7 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = read_report(reports)
     assert list(report)[:4] == ["job", "world", "verdict", "checks"]
-    assert set(benchmark.SECTIONS) | {"nodes"} <= set(report)
+    assert set(world.SECTIONS) | {"nodes"} <= set(report)
     # one node: nothing to compare CPU figures with; a slow rank in a collective would only warn
     assert report["verdict"] in ("pass", "warn") and report["world"]["ranks"] == 2
     assert report["world"]["backend"] == "gloo"
@@ -63,7 +66,7 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
     floor_checks = {c["check"]: c for c in report["checks"] if c["check"].startswith("intra-node")}
     assert set(floor_checks) == {"intra-node all_reduce busbw", "intra-node all_gather busbw"}
     assert all(c["status"] == "skip" and "no floor for gloo" in c["value"] for c in floor_checks.values())
-    for op in benchmark.BUSBW_FACTORS:
+    for op in timing.BUSBW_FACTORS:
         rows = report["nccl"][op]
         assert [row["size_bytes"] for row in rows] == [65536, 262144, 1048576]
         for row in rows:
@@ -71,7 +74,7 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
             assert row["time_max_rank"] in (0, 1)
             assert row["algbw_GB/s"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3, rel=2e-3)
             assert row["busbw_GB/s"] == pytest.approx(
-                row["algbw_GB/s"] * benchmark.BUSBW_FACTORS[op](2), rel=2e-3
+                row["algbw_GB/s"] * timing.BUSBW_FACTORS[op](2), rel=2e-3
             )
     (node,) = report["nodes"]
     storage_figures = report["storage"][node]
@@ -107,7 +110,7 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
         assert report["memory"][node][key] > 0
     per_node = yaml.safe_load((reports / f"benchmark_{report['job']['id']}_rank0.yaml").read_text())
     assert per_node["storage"] == storage_figures and "copy_1thread_GB/s" in per_node["memory"]
-    assert report["nodes"][node]["nics_Gbps"] == benchmark.nic_rates_Gbps()
+    assert report["nodes"][node]["nics_Gbps"] == collectives.nic_rates_Gbps()
     storage_check = next(c for c in report["checks"] if c["check"] == "storage parallel_write_GB/s")
     assert {"status": "pass", "check": "storage parallel_write_GB/s"}.items() <= storage_check.items()
     assert f"verdict: {report['verdict']} in" in result.stdout
@@ -156,13 +159,13 @@ def test_two_nodes_measure_links_between_them_and_nvlink_within_each(tmp_path):
     assert 0 < pair["latency_us"] < 1e5 and pair["bandwidth_GB/s"] > 0
     between = report["links"]["one_rank_per_node"]
     assert between["ranks"] == 2 and between["all_reduce"][0]["busbw_GB/s"] > 0
-    assert {row["time_max_rank"] for op in benchmark.BUSBW_FACTORS for row in between[op]} <= {0, 2}
+    assert {row["time_max_rank"] for op in timing.BUSBW_FACTORS for row in between[op]} <= {0, 2}
     (first, second) = report["nccl"]["intra_node"]
     assert first.startswith("node0") and second.startswith("node1")
     for node, ranks in ((first, {0, 1}), (second, {2, 3})):
         sweep = report["nccl"]["intra_node"][node]
         assert sweep["ranks"] == 2 and sweep["all_gather"][-1]["busbw_GB/s"] > 0
-        assert {row["time_max_rank"] for op in benchmark.BUSBW_FACTORS for row in sweep[op]} <= ranks
+        assert {row["time_max_rank"] for op in timing.BUSBW_FACTORS for row in sweep[op]} <= ranks
     checks = {c["check"]: c for c in report["checks"]}
     # gloo's 1 MiB is far from a bandwidth plateau: --nic_gbps gives a floor, the size is too small to judge
     assert checks["inter-node all_reduce busbw"]["status"] == "skip"
@@ -175,18 +178,18 @@ def test_two_nodes_measure_links_between_them_and_nvlink_within_each(tmp_path):
 
 
 def test_bandwidth_formulas_match_nccl_tests_by_hand():
-    algbw = benchmark.algbw_GBps(256e6, 0.004)  # 256 MB in 4 ms
+    algbw = timing.algbw_GBps(256e6, 0.004)  # 256 MB in 4 ms
     assert algbw == pytest.approx(64.0)
-    assert benchmark.busbw_GBps("all_reduce", algbw, 8) == pytest.approx(64.0 * 14 / 8)  # 112
-    assert benchmark.busbw_GBps("all_gather", algbw, 8) == pytest.approx(56.0)
-    assert benchmark.busbw_GBps("reduce_scatter", algbw, 4) == pytest.approx(48.0)
-    assert benchmark.busbw_GBps("all_to_all", algbw, 16) == pytest.approx(60.0)
-    assert benchmark.busbw_GBps("broadcast", algbw, 8) == pytest.approx(64.0)
-    assert benchmark.busbw_GBps("all_reduce", algbw, 2) == pytest.approx(64.0)
-    assert benchmark.stream_bytes("copy", 1_000_000) == 16_000_000
-    assert benchmark.stream_bytes("triad", 1_000_000) == 24_000_000
-    assert benchmark.stream_bytes("copy", 1 << 28, itemsize=4) == 2 << 30  # GPU copy of 1 GiB: read + write
-    assert benchmark.matmul_tflops(8192, 0.001) == pytest.approx(1099.5, rel=1e-4)
+    assert timing.busbw_GBps("all_reduce", algbw, 8) == pytest.approx(64.0 * 14 / 8)  # 112
+    assert timing.busbw_GBps("all_gather", algbw, 8) == pytest.approx(56.0)
+    assert timing.busbw_GBps("reduce_scatter", algbw, 4) == pytest.approx(48.0)
+    assert timing.busbw_GBps("all_to_all", algbw, 16) == pytest.approx(60.0)
+    assert timing.busbw_GBps("broadcast", algbw, 8) == pytest.approx(64.0)
+    assert timing.busbw_GBps("all_reduce", algbw, 2) == pytest.approx(64.0)
+    assert timing.stream_bytes("copy", 1_000_000) == 16_000_000
+    assert timing.stream_bytes("triad", 1_000_000) == 24_000_000
+    assert timing.stream_bytes("copy", 1 << 28, itemsize=4) == 2 << 30  # GPU copy of 1 GiB: read + write
+    assert timing.matmul_tflops(8192, 0.001) == pytest.approx(1099.5, rel=1e-4)
 
 
 def resident_fraction(path: Path) -> float:
@@ -213,15 +216,15 @@ def cached_read_GBps(path: Path) -> float:
 @pytest.mark.timing
 @pytest.mark.parametrize("direct", [True, False], ids=["O_DIRECT", "fadvise"])
 def test_storage_reads_come_from_storage_not_the_page_cache(tmp_path, direct):
-    path, size = tmp_path / "file", 256 * benchmark.MiB
-    write_seconds = benchmark.write_file(path, size, direct)
+    path, size = tmp_path / "file", 256 * timing.MiB
+    write_seconds = storage.write_file(path, size, direct)
     assert resident_fraction(path) < 0.02, "a file just written must not sit in the page cache"
     cached_read_GBps(path)  # now every page is cached: the uncached open must drop or bypass them
     assert resident_fraction(path) > 0.9
-    os.close(benchmark.open_uncached(path, os.O_RDONLY, direct))
+    os.close(storage.open_uncached(path, os.O_RDONLY, direct))
     if not direct:
         assert resident_fraction(path) < 0.02
-    ours = size / benchmark.read_file(path, size, direct) / 1e9
+    ours = size / storage.read_file(path, size, direct) / 1e9
     page_cache = max(cached_read_GBps(path) for _ in range(3))
     # this VM's disk: fio direct=1 reads ~2.2 GB/s and writes ~2.4 GB/s; the page cache serves 5-8 GB/s
     assert ours < 0.7 * page_cache, f"read {ours:.2f} GB/s is page-cache speed ({page_cache:.2f} GB/s)"
@@ -235,19 +238,19 @@ def test_memory_bandwidth_agrees_with_a_plain_numpy_copy_of_the_same_size():
     12), so only the same size compares. The two alternate and the test takes up to three tries, since other
     jobs share this VM's memory bus."""
     cfg = {
-        **benchmark.MODES["quick"],
-        "memory_MiB": max(64, -(-4 * benchmark.l3_cache_bytes() // benchmark.MiB)),
+        **world.MODES["quick"],
+        "memory_MiB": max(64, -(-4 * host.l3_cache_bytes() // timing.MiB)),
     }
-    elements = cfg["memory_MiB"] * benchmark.MiB // 8
+    elements = cfg["memory_MiB"] * timing.MiB // 8
     source, target = np.full(elements, 1.0), np.empty(elements)
-    threshold = benchmark.memcpy_streaming_threshold_bytes()
+    threshold = host.memcpy_streaming_threshold_bytes()
     ratios = []
     for _ in range(3):
         ours, plain = [], []
         for _ in range(2):
-            memory = benchmark.memory_section(cfg)
+            memory = host.memory_section(cfg)
             ours.append(memory["copy_1thread_GB/s"])
-            copy_seconds = benchmark.median_seconds(lambda: np.copyto(target, source), repeats=3)
+            copy_seconds = timing.median_seconds(lambda: np.copyto(target, source), repeats=3)
             plain.append(2 * source.nbytes / copy_seconds / 1e9)
         if threshold is not None:
             stores = "non-temporal" if source.nbytes > threshold else "regular"
@@ -259,10 +262,10 @@ def test_memory_bandwidth_agrees_with_a_plain_numpy_copy_of_the_same_size():
 
 
 def test_stragglers_are_flagged_and_uniform_values_pass():
-    assert benchmark.flag_stragglers({f"gpu{i}": 700.0 for i in range(8)}) == []
-    assert benchmark.flag_stragglers({**{f"gpu{i}": 700.0 for i in range(7)}, "gpu7": 620.0}) == ["gpu7"]
-    assert benchmark.flag_stragglers({"a": 100.0, "b": 91.0, "c": 100.0}) == []  # 9% below: tolerated
-    assert benchmark.flag_stragglers({"only": 1.0}) == []
+    assert stragglers.below_peers({f"gpu{i}": 700.0 for i in range(8)}) == []
+    assert stragglers.below_peers({**{f"gpu{i}": 700.0 for i in range(7)}, "gpu7": 620.0}) == ["gpu7"]
+    assert stragglers.below_peers({"a": 100.0, "b": 91.0, "c": 100.0}) == []  # 9% below: tolerated
+    assert stragglers.below_peers({"only": 1.0}) == []
 
 
 def test_verdict_fails_a_slow_gpu_and_one_far_below_its_datasheet():
@@ -282,12 +285,12 @@ def test_verdict_fails_a_slow_gpu_and_one_far_below_its_datasheet():
         "memory": {},
         "nodes": {"node0": {}},
     }
-    assert [c for c in benchmark.verdict_checks(report) if c["status"] == "fail"] == []
+    assert [c for c in verdicts.verdict_checks(report) if c["status"] == "fail"] == []
     gpus["node0/gpu3"]["matmul_bf16_TFLOPS"] = 400.0  # 43% of 989.4 and 43% below its siblings
-    failures = [c for c in benchmark.verdict_checks(report) if c["status"] == "fail"]
+    failures = [c for c in verdicts.verdict_checks(report) if c["status"] == "fail"]
     assert {c["check"] for c in failures} == {"gpu matmul_bf16_TFLOPS", "gpu matmul_bf16_TFLOPS vs datasheet"}
     assert all("node0/gpu3" in c["value"] for c in failures)
-    assert benchmark.verdict_checks(report)[0]["status"] == "fail"  # failures first
+    assert verdicts.verdict_checks(report)[0]["status"] == "fail"  # failures first
 
 
 def sleeper(seconds_at, started):
@@ -298,13 +301,13 @@ def sleeper(seconds_at, started):
 @pytest.mark.timing
 def test_sustained_loop_times_back_to_back_calls_and_sees_a_device_slow_down():
     """Sleeps overshoot when other jobs share this VM's two cores: the timed bounds get up to three tries."""
-    timing = {"warmup_s": 0.1, "seconds": 0.6, "window_s": 0.15, "device": benchmark.torch.device("cpu")}
+    loop = {"warmup_s": 0.1, "seconds": 0.6, "window_s": 0.15, "device": torch.device("cpu")}
     tries = []
     for _ in range(3):
-        steady = benchmark.sustained(sleeper(lambda t: 0.002, time.perf_counter()), **timing)
+        steady = timing.sustained(sleeper(lambda t: 0.002, time.perf_counter()), **loop)
         assert steady["calls"] % 4 == 0  # 4 windows
         # a call that gets slower the longer the loop runs, as a GPU does when it throttles
-        slowing = benchmark.sustained(sleeper(lambda t: 0.002 * (1 + 2 * t), time.perf_counter()), **timing)
+        slowing = timing.sustained(sleeper(lambda t: 0.002 * (1 + 2 * t), time.perf_counter()), **loop)
         within = (
             350 < steady["calls_per_s"] <= 500  # 2 ms a call; sleep only ever overshoots
             and steady["seconds"] == pytest.approx(0.6, rel=0.3)
@@ -321,16 +324,15 @@ def test_sustained_loop_times_back_to_back_calls_and_sees_a_device_slow_down():
 def test_sustained_matmul_on_cpu_tensors_agrees_with_the_median_of_single_calls():
     """The same work timed two ways: within a factor of 2, in one of three tries, since other jobs
     share this VM's two cores and the warm-up's calibration is only as steady as they let it be."""
-    torch = benchmark.torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        call = benchmark.matmul_call("fp32", (256, 384, 512), torch.device("cpu"))
+        call = gpu.matmul_call("fp32", (256, 384, 512), torch.device("cpu"))
         ratios = []
         for _ in range(3):
-            loop = benchmark.sustained(call, torch.device("cpu"), warmup_s=0.1, seconds=0.4, window_s=0.1)
+            loop = timing.sustained(call, torch.device("cpu"), warmup_s=0.1, seconds=0.4, window_s=0.1)
             assert loop["calls"] % 4 == 0 and loop["seconds"] > 0
-            ratios.append(loop["calls_per_s"] * benchmark.median_seconds(call, repeats=20))
+            ratios.append(loop["calls_per_s"] * timing.median_seconds(call, repeats=20))
             if 0.5 < ratios[-1] < 2.0:
                 return
     finally:
@@ -353,7 +355,7 @@ def sweep(busbw: float, ranks: list, device_name="NVIDIA H100 80GB HBM3", slow_r
     """A sweep as collectives_sweep records it, 1 MiB and 1 GiB per op, at `busbw` for 1 GiB;
     `slow_rank` took 2x the average there."""
     rows = {}
-    for op, factor in benchmark.BUSBW_FACTORS.items():
+    for op, factor in timing.BUSBW_FACTORS.items():
         rows[op] = []
         for size, bandwidth in ((1 << 20, busbw / 10), (1 << 30, busbw)):
             time_us = size / (bandwidth / factor(len(ranks))) / 1e3
@@ -403,7 +405,7 @@ def cluster(n_nodes=1, gpus=8, intra_busbw=450.0, inter_busbw=45.0, nics=None) -
 
 
 def statuses(report, **options) -> dict:
-    return {c["check"]: c for c in benchmark.verdict_checks(report, **options)}
+    return {c["check"]: c for c in verdicts.verdict_checks(report, **options)}
 
 
 def test_healthy_h100_nodes_pass_every_check():
@@ -419,7 +421,7 @@ def test_healthy_h100_nodes_pass_every_check():
             "storage parallel_write_GB/s",
         ):
             assert checks[check]["status"] == "pass", checks[check]
-        assert benchmark.verdict(list(checks.values())) == "pass"
+        assert verdicts.verdict(list(checks.values())) == "pass"
     checks = statuses(cluster(3))
     assert (
         checks["inter-node all_reduce busbw"]["reference"]
@@ -431,7 +433,7 @@ def test_healthy_h100_nodes_pass_every_check():
 def test_a_throttling_gpu_fails():
     report = cluster()
     report["gpu"]["node0 (h0)/gpu5"]["matmul_bf16_throttle_ratio"] = 0.8  # last second 20% under the first
-    failures = [c for c in benchmark.verdict_checks(report) if c["status"] == "fail"]
+    failures = [c for c in verdicts.verdict_checks(report) if c["status"] == "fail"]
     assert [c["check"] for c in failures] == ["gpu throttling (last second / first)"]
     assert (
         failures[0]["value"] == "lowest node0 (h0)/gpu5 matmul_bf16: 0.8; flagged node0 (h0)/gpu5 matmul_bf16"
@@ -440,7 +442,7 @@ def test_a_throttling_gpu_fails():
 
 def test_nvlink_down_fails_the_intra_node_floor_on_one_node_or_many():
     report = cluster(intra_busbw=30.0)  # NCCL over PCIe at 1 GiB: a node whose NVLink is down
-    failing = {c["check"] for c in benchmark.verdict_checks(report) if c["status"] == "fail"}
+    failing = {c["check"] for c in verdicts.verdict_checks(report) if c["status"] == "fail"}
     assert failing == {"intra-node all_reduce busbw", "intra-node all_gather busbw"}
     report = cluster(n_nodes=2)
     report["nccl"]["intra_node"]["node1 (h1)"] = sweep(30.0, list(range(8, 16)))
@@ -470,11 +472,11 @@ def test_a_slow_inter_node_link_fails_against_the_nic_and_its_peers():
 def test_a_slow_rank_in_one_collective_only_warns_and_names_it():
     report = cluster(n_nodes=2)
     report["nccl"]["intra_node"]["node1 (h1)"] = sweep(450.0, list(range(8, 16)), slow_rank=13)
-    checks = benchmark.verdict_checks(report)
+    checks = verdicts.verdict_checks(report)
     warns = [c for c in checks if c["status"] == "warn"]
     assert len(warns) == 1 and warns[0]["check"] == "collective slowest rank"
     assert warns[0]["value"].startswith("rank 13 in node1 (h1) intra-node all_reduce at 1024 MiB: 2.0x")
-    assert benchmark.verdict(checks) == "warn" and benchmark.verdict(checks, fail_on_warn=True) == "fail"
+    assert verdicts.verdict(checks) == "warn" and verdicts.verdict(checks, fail_on_warn=True) == "fail"
     assert checks[0]["status"] == "warn"  # warns before passes
 
 
@@ -482,14 +484,14 @@ def test_a_slow_cpu_or_host_memory_figure_only_warns_but_slow_storage_fails():
     report = cluster(n_nodes=3)
     report["cpu"]["node2 (h2)"]["single_core_ops/s"] = 50.0  # 26% below its peers: another job on the node
     report["memory"]["node1 (h1)"]["triad_all_cores_GB/s"] = 12.0
-    checks = benchmark.verdict_checks(report)
+    checks = verdicts.verdict_checks(report)
     assert {c["check"] for c in checks if c["status"] == "warn"} == {
         "node cpu single_core_ops/s",
         "node memory triad_all_cores_GB/s",
     }
-    assert benchmark.verdict(checks) == "warn" and not [c for c in checks if c["status"] == "fail"]
+    assert verdicts.verdict(checks) == "warn" and not [c for c in checks if c["status"] == "fail"]
     report["storage"]["node0 (h0)"]["parallel_write_GB/s"] = 0.05
-    checks = benchmark.verdict_checks(report)
+    checks = verdicts.verdict_checks(report)
     assert [c["check"] for c in checks if c["status"] == "fail"] == ["storage parallel_write_GB/s"]
     assert [c["status"] for c in checks[:3]] == ["fail", "warn", "warn"]  # fails first, then warns
     assert statuses(report, min_storage_GBps=0.01)["storage parallel_write_GB/s"]["status"] == "pass"
@@ -515,9 +517,9 @@ def test_a_failing_check_makes_exit_status_1(tmp_path, monkeypatch, capsys):
 
 
 def test_datasheet_matches_the_most_specific_name():
-    assert benchmark.datasheet("NVIDIA H100 80GB HBM3")["bf16"] == 989.4
-    assert benchmark.datasheet("NVIDIA H100 80GB HBM3")["memory_GBps"] == 3350.0
-    assert benchmark.datasheet("NVIDIA H100 PCIe") == {
+    assert datasheet.datasheet("NVIDIA H100 80GB HBM3")["bf16"] == 989.4
+    assert datasheet.datasheet("NVIDIA H100 80GB HBM3")["memory_GBps"] == 3350.0
+    assert datasheet.datasheet("NVIDIA H100 PCIe") == {
         "fp32": 51.0,
         "tf32": 378.0,
         "bf16": 756.0,
@@ -525,10 +527,10 @@ def test_datasheet_matches_the_most_specific_name():
         "memory_GBps": 2000.0,
         "memory_GB": 80.0,
     }
-    h200 = benchmark.datasheet("NVIDIA H200")
+    h200 = datasheet.datasheet("NVIDIA H200")
     assert h200["memory_GBps"] == 4800.0 and h200["bf16"] == 989.4
-    assert benchmark.datasheet("NVIDIA GH200 480GB")["memory_GBps"] == 4000.0
-    assert benchmark.datasheet("NVIDIA A100-SXM4-80GB") == {
+    assert datasheet.datasheet("NVIDIA GH200 480GB")["memory_GBps"] == 4000.0
+    assert datasheet.datasheet("NVIDIA A100-SXM4-80GB") == {
         "fp32": 19.5,
         "tf32": 156.0,
         "bf16": 312.0,
@@ -536,9 +538,9 @@ def test_datasheet_matches_the_most_specific_name():
         "memory_GBps": 2039.0,
         "memory_GB": 80.0,
     }
-    assert benchmark.datasheet("NVIDIA A100-SXM4-40GB")["memory_GBps"] == 1555.0
-    assert benchmark.datasheet("NVIDIA B200")["bf16"] == 2250.0
-    assert benchmark.datasheet("Tesla T4") is None
+    assert datasheet.datasheet("NVIDIA A100-SXM4-40GB")["memory_GBps"] == 1555.0
+    assert datasheet.datasheet("NVIDIA B200")["bf16"] == 2250.0
+    assert datasheet.datasheet("Tesla T4") is None
 
 
 def test_importing_benchmark_starts_nothing():
@@ -557,7 +559,7 @@ def test_unknown_section_is_one_line_and_exit_2(tmp_path):
     result = run([sys.executable, str(ROOT / "benchmark.py"), "--skip", "storge"], cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr == (
-        "benchmark.py: error: --skip: unknown section 'storge' (did you mean 'storage'?); "
+        "error: --skip: unknown section 'storge' (did you mean 'storage'?); "
         "sections are gpu, nccl, links, storage, cpu, memory\n"
     )
 
@@ -606,14 +608,14 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, capsys, arguments, mes
         benchmark.parse_args(arguments(tmp_path) + ["--report_dir", str(tmp_path / "logs")])
     assert exit_status.value.code == 2
     stderr = capsys.readouterr().err
-    assert stderr.count("\n") == 1 and stderr.startswith("benchmark.py: error: ")
+    assert stderr.count("\n") == 1 and stderr.startswith("error: ")
     assert message.format(tmp=tmp_path) in stderr
 
 
-@pytest.mark.skipif(benchmark.torch.cuda.is_available(), reason="the case of a machine without a GPU")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a GPU")
 def test_only_gpu_without_a_gpu_is_refused_not_passed(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_status:
         benchmark.parse_args(["--only", "gpu", "--report_dir", str(tmp_path)])
     assert exit_status.value.code == 2
     nothing = "--only=gpu on a machine without a GPU would check nothing; run it on a GPU node"
-    assert capsys.readouterr().err == f"benchmark.py: error: {nothing}\n"
+    assert capsys.readouterr().err == f"error: {nothing}\n"

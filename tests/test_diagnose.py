@@ -22,6 +22,7 @@ import torch.distributed as dist
 from conftest import BLAMED, REPO, TINY, launch, read_metrics, torchrun_command, worker_pids
 
 import train as train_script
+from common import stragglers
 from run import guard, heal
 
 HOST = socket.gethostname()
@@ -29,11 +30,11 @@ HOST = socket.gethostname()
 
 def test_ranks_above_the_median_are_named_with_their_figure():
     names = ["a:0", "a:1", "b:0", "b:1"]
-    medians, named = guard.find_stragglers(names, [(1.0, 0.01), (1.05, 0.01), (1.3, 0.01), (0.9, 0.4)])
+    medians, named = stragglers.slower_than_peers(names, [(1.0, 0.01), (1.05, 0.01), (1.3, 0.01), (0.9, 0.4)])
     assert medians == pytest.approx({"compute_s": 1.025, "data_wait_s": 0.01})
     assert named == {"b:0": {"compute_s": 1.3}, "b:1": {"data_wait_s": 0.4}}  # a:1 is 2% above: not named
     # Data waits of microseconds, one of them twice the median: noise, not a straggler.
-    assert guard.find_stragglers(names, [(1.0, 1e-5), (1.0, 1e-5), (1.0, 3e-5), (1.0, 1e-5)])[1] == {}
+    assert stragglers.slower_than_peers(names, [(1.0, 1e-5), (1.0, 1e-5), (1.0, 3e-5), (1.0, 1e-5)])[1] == {}
 
 
 def test_a_rank_named_three_windows_in_a_row_is_warned_once(capsys):

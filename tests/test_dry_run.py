@@ -120,7 +120,7 @@ def test_unknown_gpu_is_one_line(capsys):
         train_script.main(["--dry_run", "--model=tiny", "--gpu=H900"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert "--gpu=H900 is not in benchmark.py's datasheet" in err and len(err.splitlines()) == 1
+    assert "--gpu=H900 is not in the GPU datasheet" in err and len(err.splitlines()) == 1
 
 
 def test_a_torch_whose_tracker_overstates_the_peak_is_refused_in_one_line(capsys, monkeypatch):
@@ -142,7 +142,7 @@ def test_default_model_is_about_4b():
 
 
 def test_a_machine_that_cannot_hold_the_run_refuses_it_before_building_it(tmp_path):
-    from benchmark import available_memory_bytes
+    from common.node import available_memory_bytes
 
     if available_memory_bytes() > 70e9:
         pytest.skip("this machine could hold the 4b model's 64 GB of state")

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import benchmark  # noqa: E402
+from checks import host, storage, timing, world  # noqa: E402
 
 GOAL = 0.15
 TRIAD_BLOCK = 1 << 16  # float64 elements: 512 KiB, stays in L2 between the multiply and the add
@@ -113,7 +113,7 @@ def numpy_memory(n_elements: int, cores: int, repeats: int) -> dict:
 
     def seconds(pool, kernel, parts):
         """Median time of kernel(start, stop) over every part at once, each part on a pool thread."""
-        return benchmark.median_seconds(lambda: list(pool.map(lambda s: kernel(*s), parts)), repeats=repeats)
+        return timing.median_seconds(lambda: list(pool.map(lambda s: kernel(*s), parts)), repeats=repeats)
 
     bounds = np.linspace(0, n_elements, cores + 1).astype(int).tolist()
     one_thread, all_cores = [(0, n_elements)], list(zip(bounds[:-1], bounds[1:]))
@@ -121,8 +121,8 @@ def numpy_memory(n_elements: int, cores: int, repeats: int) -> dict:
     with ThreadPoolExecutor(cores) as pool:  # copyto and the ufuncs release the GIL on big arrays
         for label, parts in (("1thread", one_thread), ("all_cores", all_cores)):
             copy, tri = seconds(pool, copy_part, parts), seconds(pool, triad, parts)
-            figures[f"copy_{label}_GB/s"] = benchmark.stream_bytes("copy", n_elements) / copy / 1e9
-            figures[f"triad_{label}_GB/s"] = benchmark.stream_bytes("triad", n_elements) / tri / 1e9
+            figures[f"copy_{label}_GB/s"] = timing.stream_bytes("copy", n_elements) / copy / 1e9
+            figures[f"triad_{label}_GB/s"] = timing.stream_bytes("triad", n_elements) / tri / 1e9
     return figures
 
 
@@ -184,9 +184,9 @@ def compare_storage(cfg: dict, rounds: int, ours: dict, reference: dict) -> str:
         mine = Path(tempfile.mkdtemp(prefix=".benchmark-", dir=cfg["storage_path"]))
         theirs = Path(tempfile.mkdtemp(prefix=".fio-", dir=cfg["storage_path"]))
         try:
-            direct = benchmark.direct_io_works(mine)
-            phases = benchmark.storage_phases(mine, cfg, direct)
-            for phase in benchmark.STORAGE_PHASES:
+            direct = storage.direct_io_works(mine)
+            phases = storage.storage_phases(mine, cfg, direct)
+            for phase in storage.STORAGE_PHASES:
                 key = f"{phase}_{phases[phase][0]}"
                 runs = [
                     (ours, partial(our_figure, phases, phase)),
@@ -201,9 +201,9 @@ def compare_storage(cfg: dict, rounds: int, ours: dict, reference: dict) -> str:
 
 
 def compare_memory(cfg: dict, rounds: int, ours: dict, reference: dict, stream: dict, program: Path | None):
-    n_elements, cores = cfg["memory_MiB"] * benchmark.MiB // 8, benchmark.usable_cores()
+    n_elements, cores = cfg["memory_MiB"] * timing.MiB // 8, host.usable_cores()
     runs = [
-        (ours, lambda: benchmark.memory_section(cfg)),
+        (ours, lambda: host.memory_section(cfg)),
         (reference, lambda: numpy_memory(n_elements, cores, cfg["repeats"])),
     ]
     if program:
@@ -218,13 +218,13 @@ def compare_memory(cfg: dict, rounds: int, ours: dict, reference: dict, stream: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--path", default="checkpoints", help="folder on the filesystem to test")
-    parser.add_argument("--storage_MiB", type=int, default=benchmark.MODES["default"]["storage_MiB"])
-    parser.add_argument("--storage_workers", type=int, default=benchmark.MODES["default"]["storage_workers"])
-    parser.add_argument("--memory_MiB", type=int, default=benchmark.MODES["default"]["memory_MiB"])
+    parser.add_argument("--storage_MiB", type=int, default=world.MODES["default"]["storage_MiB"])
+    parser.add_argument("--storage_workers", type=int, default=world.MODES["default"]["storage_workers"])
+    parser.add_argument("--memory_MiB", type=int, default=world.MODES["default"]["memory_MiB"])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     cfg = {
-        **benchmark.MODES["default"],
+        **world.MODES["default"],
         "storage_path": args.path,
         "storage_MiB": args.storage_MiB,
         "storage_workers": args.storage_workers,
@@ -244,7 +244,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as build:
         compare_memory(cfg, args.rounds, ours, reference, stream, compile_stream(Path(build)))
     print(
-        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {benchmark.usable_cores()} cores; median of "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {host.usable_cores()} cores; median of "
         f"{args.rounds} rounds; storage {Path(args.path).resolve()}, {args.storage_MiB} MiB, "
         f"{args.storage_workers} workers, {method}; memory 3 x {args.memory_MiB} MiB float64"
     )

@@ -1,0 +1,1 @@
+"""The benchmark's measurements, verdicts and reports, one module per job; benchmark.py runs them."""
