@@ -327,18 +327,9 @@ class Checkpointer:
         """Every rank finds the same problem with a checkpoint; rank 0 says it."""
         fail(message) if self.rank == 0 else exit_after_the_speaker()
 
-    def load_safely(self, load, *args, **kwargs):
-        """A file that checkpoint_problem let through and that still holds more than plain data: its
-        tensors are checked only as they load. Every rank reads the shared files, so every rank refuses."""
-        try:
-            return load(*args, **kwargs)
-        except UnsafeFile as error:
-            self.refuse(f"not resuming: {error}")
-
-    def load(self, path, model, optimizer, scheduler, batches):
-        """Restores a checkpoint written by save(); returns its trainer state."""
-        with open(os.path.join(path, "trainer_state.json")) as f:
-            trainer_state = json.load(f)
+    def refuse_another_run(self, path, trainer_state):
+        """A checkpoint of another model family or shape, or of real data read in windows of another length,
+        is refused in one line."""
         family, saved_family = self.shape.config_class.__name__, trainer_state.get("family", "")
         if saved_family and saved_family != family:
             self.refuse(
@@ -360,6 +351,20 @@ class Checkpointer:
                 f"its data position counts those windows; resume with --seq_length={windows}, or start "
                 f"another --run_name"
             )
+
+    def load_safely(self, load, *args, **kwargs):
+        """A file that checkpoint_problem let through and that still holds more than plain data: its
+        tensors are checked only as they load. Every rank reads the shared files, so every rank refuses."""
+        try:
+            return load(*args, **kwargs)
+        except UnsafeFile as error:
+            self.refuse(f"not resuming: {error}")
+
+    def load(self, path, model, optimizer, scheduler, batches):
+        """Restores a checkpoint written by save(); returns its trainer state."""
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            trainer_state = json.load(f)
+        self.refuse_another_run(path, trainer_state)
         full_file = os.path.join(path, "state_dict.pt")
         full = os.path.exists(full_file)
         if full:  # memory-mapped: the ranks of a node share one copy in the page cache

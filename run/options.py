@@ -180,6 +180,8 @@ def validate(args, resolve_shape, parse_source):
             raise ConfigError(f"--{name}={getattr(args, name)} is not one of: {', '.join(choices)}")
     check_ranges(args, shape)
     check_combinations(args, shape)
+    if args.init_from:
+        check_weights("--init_from", args.init_from)
     if args.prepare_only and kind not in ("hub", "local"):
         raise ConfigError(f"--prepare_only prepares wikitext or a local path; --data={args.data} needs none")
     if args.data != "dummy":
@@ -286,8 +288,6 @@ def check_combinations(args, shape):
         raise ConfigError(
             f"--init_from={args.init_from} brings its own shape; drop --{', --'.join(shape.names)}"
         )
-    if args.init_from:
-        check_weights("--init_from", args.init_from)
     if args.cpu_offload and args.sharding == "ddp":
         raise ConfigError("--cpu_offload=True needs FSDP; it does not work with --sharding=ddp")
     resume_from = args.resume_from
