@@ -34,7 +34,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             loss, grad_logits = chunk_loss_and_gradients(h, weight, t)
             total += loss
             grad_logits = grad_logits.to(hidden.dtype)
-            torch.matmul(grad_logits, weight, out=grad_hidden[start : start + chunk_tokens])
+            grad_hidden[start : start + chunk_tokens] = grad_logits @ weight  # mm(out=) escapes FLOP counters
             grad_weight.addmm_(grad_logits.t(), h)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total

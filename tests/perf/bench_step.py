@@ -147,6 +147,14 @@ def timed_steps(step, batch, device, n):
     return times
 
 
+def alternating_medians(paths, batch, device, bench):
+    times = {name: [] for name in paths}
+    for _ in range(bench.rounds):
+        for name, step in paths.items():
+            times[name] += timed_steps(step, batch, device, bench.steps)[bench.warmup :]
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def counted_flops(step, batch):
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -154,6 +162,21 @@ def counted_flops(step, batch):
     with FlopCounterMode(display=False) as counter:
         step(batch)
     return counter.get_total_flops()
+
+
+def flop_ratios(args, model_config, device, mesh, batch):
+    """Each path's FLOPs over one step, counted with eager attention and no compile, over the model FLOPs."""
+    meta = train.build_meta_model(model_config)
+    model_flops = train.flops_per_token(meta, model_config, args.seq_length) * batch[0].numel()
+    eager, eager_args = model_config_of(args, "eager"), argparse.Namespace(**dict(vars(args), compile=False))
+    counted = {
+        "train_step": counted_flops(train_path(eager_args, eager, device, mesh), batch),
+        "plain": counted_flops(plain_path(eager_args, eager, device), batch),
+    }
+    return {
+        "model_flops": model_flops,
+        "hardware_over_model_flops": {name: flops / model_flops for name, flops in counted.items()},
+    }
 
 
 def main():
@@ -166,23 +189,17 @@ def main():
         "train_step": train_path(args, model_config, device, mesh),
         "plain": plain_path(args, model_config, device),
     }
-    times = {name: [] for name in paths}
-    for _ in range(bench.rounds):
-        for name, step in paths.items():
-            times[name] += timed_steps(step, batch, device, bench.steps)[bench.warmup :]
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = alternating_medians(paths, batch, device, bench)
     figures = {"median_step_s": medians, "ratio": medians["train_step"] / medians["plain"]}
     if not bench.no_flops:
-        meta = train.build_meta_model(model_config)
-        model_flops = train.flops_per_token(meta, model_config, args.seq_length) * batch[0].numel()
-        eager = model_config_of(args, "eager")
-        counted = {
-            "train_step": counted_flops(train_path(args, eager, device, mesh), batch),
-            "plain": counted_flops(plain_path(args, eager, device), batch),
-        }
-        figures["model_flops"] = model_flops
-        figures["hardware_over_model_flops"] = {name: flops / model_flops for name, flops in counted.items()}
-    print(f"device {device}, torch {torch.__version__}, shape {vars(train.resolve_shape(args))['names']}")
+        paths.clear()  # the timed models go before the counted ones come, for a GPU's memory
+        figures.update(flop_ratios(args, model_config, device, mesh, batch))
+    shape = train.resolve_shape(args)
+    print(
+        f"device {device}, torch {torch.__version__}: {shape.n_layer} layers x {shape.n_embd}, "
+        f"{shape.n_head} heads, vocabulary {model_config.vocab_size}, batch {bench.batch_size} x "
+        f"{args.seq_length}, {args.mixed_precision}, compile {args.compile}"
+    )
     print(f"{'path':<12}{'median step':>14}{'hw/model FLOPs':>16}")
     for name, median in medians.items():
         ratio = figures.get("hardware_over_model_flops", {}).get(name, float("nan"))
