@@ -17,6 +17,7 @@ model FLOPs of train.py's formula (6·N + 12·L·H·Q·T per token). --json writ
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -165,18 +166,26 @@ def counted_flops(step, batch):
 
 
 def flop_ratios(args, model_config, device, mesh, batch):
-    """Each path's FLOPs over one step, counted with eager attention and no compile, over the model FLOPs."""
+    """Each path's FLOPs over one step, counted with eager attention and no compile, over the model FLOPs.
+    One path's model at a time, for a GPU's memory."""
     meta = train.build_meta_model(model_config)
     model_flops = train.flops_per_token(meta, model_config, args.seq_length) * batch[0].numel()
     eager, eager_args = model_config_of(args, "eager"), argparse.Namespace(**dict(vars(args), compile=False))
-    counted = {
-        "train_step": counted_flops(train_path(eager_args, eager, device, mesh), batch),
-        "plain": counted_flops(plain_path(eager_args, eager, device), batch),
+    builders = {
+        "train_step": lambda: train_path(eager_args, eager, device, mesh),
+        "plain": lambda: plain_path(eager_args, eager, device),
     }
-    return {
-        "model_flops": model_flops,
-        "hardware_over_model_flops": {name: flops / model_flops for name, flops in counted.items()},
-    }
+    ratios = {}
+    for name, build in builders.items():
+        ratios[name] = counted_flops(build(), batch) / model_flops
+        free_memory(device)
+    return {"model_flops": model_flops, "hardware_over_model_flops": ratios}
+
+
+def free_memory(device):
+    gc.collect()  # FSDP's hooks hold the model in reference cycles
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main():
@@ -193,6 +202,7 @@ def main():
     figures = {"median_step_s": medians, "ratio": medians["train_step"] / medians["plain"]}
     if not bench.no_flops:
         paths.clear()  # the timed models go before the counted ones come, for a GPU's memory
+        free_memory(device)
         figures.update(flop_ratios(args, model_config, device, mesh, batch))
     shape = train.resolve_shape(args)
     print(
