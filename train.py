@@ -37,12 +37,12 @@ if __name__ == "__main__":
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from run import export, guard, heal, launch, options, prepare, run_log, safe_load, simulation
 from run.checkpoints import Checkpointer
+from run.loss import linear_cross_entropy
 from run.options import ConfigError
 
 # The constants are a table: the formatter leaves its alignment alone.
@@ -836,25 +836,16 @@ def final_hidden_states(model, inputs):
     return captured[0]
 
 
-def chunk_cross_entropy(output_layer, hidden, targets):
-    return F.cross_entropy(output_layer(hidden).float(), targets, reduction="sum")
-
-
 def model_loss(model, inputs, targets, chunk_tokens=None):
     """Mean next-token cross-entropy. The output layer and the loss run over chunks of the tokens, each
-    checkpointed: the forward keeps no logits, and the backward recomputes one chunk's at a time, so the
-    full fp32 logits, their log-softmax and gradient never exist together (a few GB at 4b and batch 8)."""
-    from torch.utils.checkpoint import checkpoint
-
+    chunk's gradients computed in the forward (run/loss.py): the full fp32 logits, their log-softmax and
+    gradient never exist together (a few GB at 4b and batch 8), and the backward recomputes nothing."""
     hidden = final_hidden_states(model, inputs).flatten(0, 1)
     targets = targets.flatten()
     output_layer = getattr(model, "module", model).get_output_embeddings()
     if chunk_tokens is None:  # fp32 logits of one chunk: LOSS_CHUNK_BYTES at most
         chunk_tokens = max(1, int(LOSS_CHUNK_BYTES // (4 * output_layer.out_features)))
-    total = sum(
-        checkpoint(chunk_cross_entropy, output_layer, h, t, use_reentrant=False)
-        for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
-    )
+    total = linear_cross_entropy(hidden, output_layer.weight, targets, chunk_tokens)
     return total / targets.numel()
 
 

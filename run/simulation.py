@@ -114,8 +114,8 @@ def peak_gb(args, model_config, world_size, n_params, training):
 
 def hardware_flops_per_token(args, layer, model_config, model_flops):
     """What the GPU computes per token, recomputation included. model_flops (6·N + 12·L·H·Q·T) is three
-    forwards' worth; of one forward, the output layer is 2·vocab·width and attention 4·L·H·Q·T. The chunked
-    loss recomputes the output layer; full checkpointing every block's forward, selective every
+    forwards' worth; of one forward, the output layer is 2·vocab·width and attention 4·L·H·Q·T. The loss
+    recomputes nothing (run/loss.py); full checkpointing every block's forward, selective every
     ac_every-th block's, op-level every other matmul (attention outputs are kept). A recomputation stops
     at the last tensor backward needs, so a block's last matmul, the MLP's output projection, is not
     redone."""
@@ -132,7 +132,7 @@ def hardware_flops_per_token(args, layer, model_config, model_flops):
         "selective": redone_forward * (layers // args.ac_every) / layers,
         "op": (redone_forward - attention_forward) / 2,
     }[args.activation_checkpointing]
-    return model_flops + recomputed + output_forward
+    return model_flops + recomputed
 
 
 def changes_that_might_fit(args):

@@ -1,0 +1,65 @@
+"""One line of figures from a run's metrics.jsonl (logged every step): median step time, tokens/s and MFU
+over the steps after the first (compilation) and outside the profiled ones, and the largest
+max_memory_allocated beside the dry run's simulated peak. Used by tests/perf/on_gpu.sh.
+
+    python tests/perf/on_gpu_figures.py logs/<run>/metrics.jsonl --name=op --simulated_gb=98.8 \
+        --skip_steps=20,21
+"""
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def figures(records, skip):
+    timed = [r for r in records if r["step"] > 1 and r["step"] not in skip and r.get("tokens_per_s")]
+    if not timed:
+        return {"steps_timed": 0}
+    peaks = [r["peak_mem_GB"] for r in records if r.get("peak_mem_GB") is not None]
+    mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    return {
+        "steps_timed": len(timed),
+        "last_step": records[-1]["step"],
+        "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
+        "mfu": statistics.median(mfus) if mfus else None,
+        "max_memory_allocated_GB": max(peaks) if peaks else None,
+        "first_loss": records[0]["loss"],
+        "last_loss": records[-1]["loss"],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("metrics")
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--simulated_gb", type=float, default=0.0, help="the dry run's peak; 0: none")
+    parser.add_argument("--skip_steps", default="", help="A,B: the profiled steps, left out of the timings")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    path = Path(args.metrics)
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    skip = [int(step) for step in args.skip_steps.split(",") if step]
+    skip = set(range(skip[0], skip[-1] + 1)) if skip else set()
+    result = dict(figures(records, skip), name=args.name, simulated_peak_GB=args.simulated_gb or None)
+    if not result["steps_timed"]:
+        print(f"{args.name}: no timed step logged")
+    else:
+        mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"
+        real = result["max_memory_allocated_GB"]
+        memory = f"{real:.1f} GB" if real is not None else "n/a (no GPU)"
+        print(
+            f"{args.name}: {result['steps_timed']} steps timed (to step {result['last_step']}), median step "
+            f"{result['step_time_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
+            f"max_memory_allocated {memory} (dry run {args.simulated_gb or 'n/a'} GB), "
+            f"loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
