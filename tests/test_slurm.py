@@ -140,6 +140,11 @@ def test_benchmark_only_two_nodes(cluster, tmp_path):
         f"benchmark_{job_id}_rank0.yaml",
         f"benchmark_{job_id}_rank2.yaml",
     }
+    # the picture beside the report, printed on the job's last lines
+    from matplotlib.image import imread
+
+    assert f"picture: {tmp_path / f'benchmark_{job_id}.png'}" in output
+    assert imread(tmp_path / f"benchmark_{job_id}.png").shape == (960, 1280, 4)
 
 
 def training_processes(job_id):
