@@ -49,10 +49,12 @@ class LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(hidden, weight, targets, chunk_tokens):
     """Summed next-token cross-entropy of hidden (tokens x width) through the output weight (vocab x width).
-    With gradients on, through LinearCrossEntropy; without (evaluation), chunk by chunk, the loss alone."""
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return LinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
-    return sum(
-        F.cross_entropy((h @ weight.t()).float(), t, reduction="sum")
-        for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
-    )
+    With gradients on, through LinearCrossEntropy; without (evaluation), chunk by chunk, the loss alone. A
+    profile names its kernels by the range linear_cross_entropy (tests/perf/trace_summary.py)."""
+    with torch.profiler.record_function("linear_cross_entropy"):
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return LinearCrossEntropy.apply(hidden, weight, targets, chunk_tokens)
+        return sum(
+            F.cross_entropy((h @ weight.t()).float(), t, reduction="sum")
+            for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens))
+        )
