@@ -146,7 +146,7 @@ def test_profile_steps_past_the_run_warn_and_the_trace_ends_with_it(tmp_path):
     assert {"train step 3", "train step 4"} <= names
 
 
-def throttle(pid, stop_event, stopped=0.06, running=0.02):
+def throttle(pid, stop_event, stopped=0.09, running=0.01):
     """cpulimit's way of slowing a process: stopped for a share of the time, in slices shorter than one
     layer's forward."""
     with contextlib.suppress(ProcessLookupError):  # the run ended
@@ -159,7 +159,7 @@ def throttle(pid, stop_event, stopped=0.06, running=0.02):
 
 def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
     """One 2-process run (each costs tens of seconds on a busy 2-core machine) in two acts.
-    1. From the first step, rank 1 runs a quarter of the time, as on a throttling node (taskset onto a core
+    1. From the first step, rank 1 runs a tenth of the time, as on a throttling node (taskset onto a core
        shared with a busy process is not reliable on a shared 2-core machine: the scheduler moves other
        work off that core). Every 2-step log window names it, never rank 0; the third in a row warns.
     2. After step 8 rank 1 is stopped; rank 0 waits in a collective until its watchdog (limit
