@@ -86,7 +86,8 @@ def test_auto_interval_is_chosen_by_rank_0_and_followed_by_every_rank(tmp_path):
     saved = sorted(int(path.name[5:]) for path in (tmp_path / "g").glob("step_*"))
     periodic = [step for step in saved if step != 20]  # the last step is always saved
     assert len(periodic) >= 2
-    # each save came the chosen number of steps after the one before (the first comes when the first
-    # interval is chosen, or that many steps after the start)
-    assert {later - earlier for earlier, later in zip(periodic, periodic[1:])} <= chosen, (saved, lines)
+    # each save came at least the interval in force after the one before: the interval changes between
+    # saves (step times vary), so a gap lies between the smallest and the largest interval chosen
+    gaps = [later - earlier for earlier, later in zip(periodic, periodic[1:])]
+    assert all(min(chosen) <= gap <= max(chosen) for gap in gaps), (saved, lines)
     assert_adds_up(ledger(tmp_path))
