@@ -58,16 +58,25 @@ class MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which checkpoint metadata never holds")
 
 
-def metadata_problem(folder):
-    """None if the folder has no DCP metadata or its metadata is plain data; else why it is refused."""
+def read_metadata(folder):
+    """The folder's DCP metadata, read through MetadataUnpickler; UnsafeFile says why it is refused."""
     path = os.path.join(folder, METADATA)
     try:
         with open(path, "rb") as file:
-            MetadataUnpickler(file).load()
+            return MetadataUnpickler(file).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as error:
+        detail = str(error).splitlines()[0] if str(error) else "damaged"
+        raise UnsafeFile(f"{path} is refused, not unpickled: {detail}") from None
+
+
+def metadata_problem(folder):
+    """None if the folder has no DCP metadata or its metadata is plain data; else why it is refused."""
+    try:
+        read_metadata(folder)
     except FileNotFoundError:
         return None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as error:
-        return f"{path} is refused, not unpickled: {str(error).splitlines()[0] if str(error) else 'damaged'}"
+    except UnsafeFile as error:
+        return str(error)
     return None
 
 
@@ -86,11 +95,7 @@ class SafeReader(dcp.FileSystemReader):
             raise UnsafeFile(f"{os.path.join(str(self.path), self.reading)} is refused: {error}") from None
 
     def read_metadata(self, *args, **kwargs):
-        folder = str(self.path)
-        if problem := metadata_problem(folder):
-            raise UnsafeFile(problem)
-        with open(os.path.join(folder, METADATA), "rb") as file:
-            metadata = MetadataUnpickler(file).load()
+        metadata = read_metadata(str(self.path))  # once: a second read could find another file
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
