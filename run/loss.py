@@ -12,10 +12,11 @@ import torch.nn.functional as F
 
 def chunk_loss_and_gradients(hidden, weight, targets):
     """Summed cross-entropy of one chunk and its gradient with respect to the chunk's logits, in fp32."""
-    logits = (hidden @ weight.t()).float()
-    log_norm = torch.logsumexp(logits, dim=-1)
-    loss = (log_norm - logits.gather(1, targets[:, None]).squeeze(1)).sum()
-    grad_logits = logits.sub_(log_norm[:, None]).exp_()  # the softmax, in the logits' memory
+    # One fused pass gives the fp32 log-probabilities from logits in the compute dtype (a logsumexp and a
+    # subtraction take three), and the softmax is their exp in place.
+    log_probs = F.log_softmax(hidden @ weight.t(), dim=-1, dtype=torch.float32)
+    loss = -log_probs.gather(1, targets[:, None]).sum()
+    grad_logits = log_probs.exp_()
     grad_logits[torch.arange(targets.numel(), device=targets.device), targets] -= 1
     return loss, grad_logits
 

@@ -3,6 +3,7 @@ process, alternating, so that the machine's noise falls on both alike.
 
     python tests/perf/bench_step.py                          # CPU: the 6x384 shape, 256 tokens, batch 8
     python tests/perf/bench_step.py --model=gpt2 --batch_size=4
+    python tests/perf/bench_step.py --profile --no_flops --rounds=1   # where each step's time goes
     python tests/perf/bench_step.py --model=gpt2-xl --seq_length=1024 --compile --bf16   # one GPU
 
 The two paths:
@@ -51,6 +52,7 @@ def parse():
     parser.add_argument("--compile", action="store_true", help="compile each block (both paths)")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 weights (both paths)")
     parser.add_argument("--no_flops", action="store_true", help="skip the FLOP count")
+    parser.add_argument("--profile", action="store_true", help="also print each step's 15 costliest ops")
     parser.add_argument("--json", help="also write the figures to this file")
     return parser.parse_args()
 
@@ -67,7 +69,9 @@ def train_options(bench):
         f"--compile={bench.compile}",
         "--data=dummy",
     ]
-    return options.parse_args(argv, train.constants())
+    args = options.parse_args(argv, train.constants())
+    options.validate(args, train.resolve_shape, train.parse_source)  # fills in what train.py's would
+    return args
 
 
 def start_process_group():
@@ -182,6 +186,20 @@ def flop_ratios(args, model_config, device, mesh, batch):
     return {"model_flops": model_flops, "hardware_over_model_flops": ratios}
 
 
+def print_profiles(paths, batch, device):
+    """One profiled step of each path, its ops by their own time: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for name, step in paths.items():
+        with profile(activities=activities) as profiler:
+            timed_steps(step, batch, device, 1)
+        print(f"{name}:")
+        sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        print(profiler.key_averages().table(sort_by=sort_by, row_limit=15, max_name_column_width=60))
+
+
 def free_memory(device):
     gc.collect()  # FSDP's hooks hold the model in reference cycles
     if device.type == "cuda":
@@ -200,6 +218,8 @@ def main():
     }
     medians = alternating_medians(paths, batch, device, bench)
     figures = {"median_step_s": medians, "ratio": medians["train_step"] / medians["plain"]}
+    if bench.profile:
+        print_profiles(paths, batch, device)
     if not bench.no_flops:
         paths.clear()  # the timed models go before the counted ones come, for a GPU's memory
         free_memory(device)
