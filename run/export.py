@@ -17,6 +17,9 @@ from run.safe_load import UnsafeFile, load_file, load_sharded
 def save_export(model, tokenizer, path):
     """A transformers folder (safetensors, config and the tokenizer of real data) that from_pretrained(path)
     loads with no code from this repo; written beside path and renamed once complete, removed if not."""
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a log file keeps every redraw of a bar; the run ends here
     temporary = path + ".tmp"
     shutil.rmtree(temporary, ignore_errors=True)
     try:
