@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 def chunk_loss_and_gradients(hidden, weight, targets):
     """Summed cross-entropy of one chunk and its gradient with respect to the chunk's logits, in fp32."""
-    # One fused pass gives the fp32 log-probabilities from logits in the compute dtype (a logsumexp and a
-    # subtraction take three), and the softmax is their exp in place.
+    # One fused kernel turns the logits, in the compute dtype, into fp32 log-probabilities: no fp32 copy of
+    # the logits, no separate logsumexp and subtraction. The softmax is then their exp, in place.
     log_probs = F.log_softmax(hidden @ weight.t(), dim=-1, dtype=torch.float32)
     loss = -log_probs.gather(1, targets[:, None]).sum()
     grad_logits = log_probs.exp_()
