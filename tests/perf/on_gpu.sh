@@ -69,12 +69,14 @@ declare -A SIMULATED_GB=([op]=98.8 [full]=72.5 [op_offload]=34.6)
 ((SMOKE)) && SIMULATED_GB=()
 
 # Trains until step $steps is logged, then kills the run: the 4b's final checkpoint (48 GB) would take
-# minutes and most of the disk. A step that never comes is cut off after $TRAIN_LIMIT seconds.
+# minutes and most of the disk. A step that never comes is cut off after $TRAIN_LIMIT seconds. A plain
+# `python train.py` (a process group of one), not torchrun: torchrun starts its worker in a session of its
+# own, which killing torchrun's group leaves running, holding the GPU under the next run.
 train_run() {
     local name=$1 steps=$2
     shift 2
     local metrics=$WORK/logs/$name/metrics.jsonl start=$SECONDS
-    setsid "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 train.py "${MODEL[@]}" \
+    setsid "$PY" train.py "${MODEL[@]}" \
         --data=dummy --batch_size=$BATCH --global_batch_size=$BATCH --max_steps=1000 --warmup_steps=10 \
         --log_every=1 --eval_every=0 --checkpoint_every=1000 --tensorboard=False --curves=False \
         --hang_minimum_s=600 --log_dir="$WORK/logs" --checkpoint_dir="$WORK/checkpoints" --run_name="$name" \
