@@ -104,16 +104,29 @@ def unreadable_file(files, extension, column):
             except ValueError:
                 file.seek(0)
             for number, line in enumerate(file, 1):
+                if not line.strip():
+                    continue
                 try:
-                    record = json.loads(line) if line.strip() else {column: ""}
+                    why = text_problem(json.loads(line), column)
                 except ValueError as error:
-                    return f"{path} line {number} is not a JSON record ({error})"
-                text = record.get(column, "missing") if isinstance(record, dict) else "not a record"
-                if not isinstance(text, str) or text == "missing" and column not in record:
-                    kinds = {str: text, type(None): "null", bool: "true or false", int: "a number",
-                             float: "a number", list: "a list", dict: "an object"}  # fmt: skip
-                    kind = kinds.get(type(text), type(text).__name__)
-                    return f"{path} line {number} has no text in its '{column}' field ({kind})"
+                    why = f"is not a JSON record ({error})"
+                if why:
+                    return f"{path} line {number} {why}"
+    return None
+
+
+JSON_KINDS = {type(None): "null", bool: "true or false", int: "a number", float: "a number", str: "a string",
+              list: "a list", dict: "an object"}  # fmt: skip
+
+
+def text_problem(record, column):
+    """Why one parsed JSON line holds no text in column, or None when it does."""
+    if not isinstance(record, dict):
+        return f"is not a JSON record ({JSON_KINDS[type(record)]})"
+    if column not in record:
+        return f"has no text in its '{column}' field (missing)"
+    if not isinstance(record[column], str):
+        return f"has no text in its '{column}' field ({JSON_KINDS[type(record[column])]})"
     return None
 
 

@@ -318,6 +318,11 @@ def write_files(root, layout):
             "a.jsonl line 6 has no text in its 'text' field (missing); fix or remove the line",
         ),
         (
+            {"docs/a.jsonl": '{"text": "the cat sees a dog ."}\n' * 5 + "[1, 2]\n"},
+            ["--data=docs"],
+            "a.jsonl line 6 is not a JSON record (a list)",
+        ),
+        (
             {"cut/a.parquet": b"PAR1" + bytes(100)},
             ["--data=cut"],
             "a.parquet is not a readable parquet file",
