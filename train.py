@@ -40,7 +40,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from run import export, guard, heal, launch, options, prepare, run_log, safe_load, simulation
+from common.files import write_atomically
+from run import export, guard, launch, options, prepare, run_log, safe_load, simulation
 from run.checkpoints import Checkpointer
 from run.loss import linear_cross_entropy
 from run.options import ConfigError
@@ -215,7 +216,7 @@ def report_checked(log_folder):
     """--check_only's answer: the run's log folder, also as JSON in $CHECKED_JSON for the job (run/job.py)."""
     print(f"checked: log folder {log_folder}")
     if os.environ.get("CHECKED_JSON"):
-        heal.write_atomically(os.environ["CHECKED_JSON"], json.dumps({"log_folder": log_folder}))
+        write_atomically(os.environ["CHECKED_JSON"], json.dumps({"log_folder": log_folder}))
     return 0
 
 

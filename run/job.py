@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.files import write_atomically
+from common.node import node_name
 from run import heal, slurm
 
 # name: default. slurm_submit.sh sets and explains each; these hold when the module is run alone.
@@ -139,7 +141,7 @@ class Job:
     def gpus(self):
         seen = visible_gpus()
         gpus = int(self.environ.get("SLURM_GPUS_ON_NODE") or seen)
-        host = heal.node_name()
+        host = node_name()
         if gpus and not seen:
             raise JobError(f"the job has {gpus} GPUs per node but nvidia-smi sees none on {host}")
         if not gpus and self.knobs.REQUIRE_GPUS:
@@ -305,7 +307,7 @@ class Job:
         if self.stop and self.run_folder and not os.path.exists(self.stop_file()):
             try:  # the folder is train.py's to make, and it may not have yet
                 os.makedirs(self.run_folder, exist_ok=True)
-                heal.write_atomically(self.stop_file(), "SIGUSR1\n")
+                write_atomically(self.stop_file(), "SIGUSR1\n")
             except OSError as error:  # tried again at the next poll
                 print(f"warning: cannot ask the workers to stop ({error})", file=sys.stderr)
 
