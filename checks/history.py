@@ -7,10 +7,11 @@ HISTORY_DROP is a warning that names the node, the figure, today's value and its
 a job: the floors do that."""
 
 import json
-import os
 import statistics
 import sys
 import time
+
+from common.files import write_atomically
 
 HISTORY_FILE = "benchmark_history.jsonl"
 HISTORY_RUNS = 5  # a node's usual value: the median of its last 5 runs
@@ -117,10 +118,7 @@ def append(path, report, history):
     """The history with this report's figures added, written whole under a temporary name, then renamed."""
     job = report.get("job", {})
     record = {"time": time.time(), "job": job.get("id"), "mode": job.get("mode"), "figures": entries(report)}
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as file:
-        file.writelines(json.dumps(line) + "\n" for line in [*history, record])
-    os.replace(temporary, path)
+    write_atomically(path, "".join(json.dumps(line) + "\n" for line in [*history, record]))
 
 
 def trend_table(history):
