@@ -14,6 +14,8 @@ matplotlib.use("Agg")  # no display on a compute node
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from checks.verdicts import flagged_names  # noqa: E402
+
 GPU_FIGURES = (
     ("matmul_bf16_TFLOPS", "matmul_bf16", "bf16 matmul, TFLOP/s"),
     ("copy_GB/s", "copy", "HBM copy, GB/s"),
@@ -36,9 +38,7 @@ def check_named(report, name):
 def flagged(report, name):
     """The members a check flagged: its value ends '; flagged a, b'."""
     found = check_named(report, name)
-    if not found or "; flagged " not in str(found["value"]):
-        return set()
-    return set(str(found["value"]).split("; flagged ", 1)[1].split(", "))
+    return flagged_names(found["value"]) if found else set()
 
 
 def floor_of(report, name):

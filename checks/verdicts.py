@@ -55,8 +55,17 @@ def check(status: str, name: str, value: str, reference: str = "") -> dict:
     return {"status": status, "check": name, "value": value, "reference": reference}
 
 
+FLAGGED_MARK = "; flagged "
+
+
 def flagged(names: list) -> str:
-    return f"; flagged {', '.join(names)}" if names else ""
+    return f"{FLAGGED_MARK}{', '.join(names)}" if names else ""
+
+
+def flagged_names(value) -> set:
+    """The names flagged() wrote at the end of a check's value."""
+    text = str(value)
+    return set(text.split(FLAGGED_MARK, 1)[1].split(", ")) if FLAGGED_MARK in text else set()
 
 
 def size_text(size_bytes: int) -> str:
