@@ -9,7 +9,7 @@ import signal
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, assert_ran, launch, read_metrics, run_until, together
+from conftest import SIMULATES, TINY, assert_ran, launch, read_metrics, run_until, together
 
 # The tiny preset on short sequences, so that a corpus of a few thousand lines makes many batches.
 DATA = [*TINY, "--seq_length=32", "--eval_batches=2"]
@@ -370,6 +370,7 @@ def test_a_data_file_that_is_not_a_regular_file_is_refused_unopened(tmp_path, to
     assert err.strip() == f"error: --data: {odd} is a {kind}, not a regular file; remove it from the corpus"
 
 
+@SIMULATES
 def test_model_vocabulary_follows_the_tokenizer(tokenizer_dir, corpus, capsys):
     from transformers import AutoTokenizer
 

@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, parse_options, validated
+from conftest import REPO, SIMULATES, parse_options, validated
 from torch.torch_version import TorchVersion
 
 import train as train_script
@@ -34,6 +34,7 @@ def dry_run(capsys, *args):
     return exit_info.value.code, capsys.readouterr().out
 
 
+@SIMULATES
 @pytest.mark.parametrize("model", ["tiny", "gpt2"])
 @pytest.mark.parametrize("world_size", [2, 8])
 def test_dry_run_prints_the_simulated_peak_and_a_verdict(capsys, model, world_size):
@@ -58,6 +59,7 @@ def test_dry_run_prints_the_simulated_peak_and_a_verdict(capsys, model, world_si
     assert float(flops.group(2)) > float(flops.group(1))  # full activation checkpointing recomputes
 
 
+@SIMULATES
 def test_accumulation_keeps_only_a_sharded_gradient_between_micro_steps():
     """FSDP reduce-scatters every micro-step: accumulating adds the sharded fp32 gradient, never the
     whole one."""
@@ -73,6 +75,7 @@ def test_accumulation_keeps_only_a_sharded_gradient_between_micro_steps():
     assert four["gradients"] < 1.05 * sharded_gradient
 
 
+@SIMULATES
 def test_memory_falls_with_checkpointing_and_sharded_state_with_world_size():
     peaks = {}
     for mode in ("none", "selective", "op", "full"):
@@ -87,6 +90,7 @@ def test_memory_falls_with_checkpointing_and_sharded_state_with_world_size():
     assert eight["activations"] == pytest.approx(two["activations"], rel=0.02)  # the same batch per rank
 
 
+@SIMULATES
 def test_a_config_that_cannot_fit_exits_1_and_names_a_simulated_change_that_fits(capsys):
     code, out = dry_run(
         capsys,
@@ -104,6 +108,7 @@ def test_a_config_that_cannot_fit_exits_1_and_names_a_simulated_change_that_fits
     assert "--activation_checkpointing=full" in change.group(1)
 
 
+@SIMULATES
 def test_ddp_and_cpu_offload_say_they_are_estimated(capsys):
     for option, words in (
         ("--sharding=ddp", "estimated for DDP"),

@@ -4,7 +4,16 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO, assert_ran, parse_options, read_metrics, run_training, together, validated
+from conftest import (
+    REPO,
+    SIMULATES,
+    assert_ran,
+    parse_options,
+    read_metrics,
+    run_training,
+    together,
+    validated,
+)
 
 import train as train_script
 
@@ -205,6 +214,7 @@ def write_config(tmp_path, text):
     return path
 
 
+@SIMULATES
 def test_config_file_sets_constants_and_flags_override_it(tmp_path, capsys):
     path = write_config(
         tmp_path, "model: tiny-llama\nbatch_size: 2\nlr: 1e-4\ncompile: false\nn_layer: null\n"
