@@ -431,14 +431,17 @@ def gpu_memory_gb(gpu):
     return gpu, sheet["memory_GB"]
 
 
+SIMULATING_TORCH = "2.13"  # the oldest torch whose memory tracker --dry_run trusts
+
+
 def check_simulating_torch():
     """FSDPMemTracker counted DTensor's sharding propagation (full-size fake tensors) as memory until
     pytorch/pytorch#183970. Measured on one H100 (gpt2-xl, batch 4): torch 2.11 simulated 48.5 GB, torch 2.13
     25.5 GB, and torch.cuda.max_memory_allocated was 25.8 GB."""
-    if torch.__version__ < "2.13":
+    if torch.__version__ < SIMULATING_TORCH:
         raise ConfigError(
-            f"--dry_run needs torch 2.13 or later: torch {torch.__version__}'s memory tracker overstates the "
-            "peak; run it with the pinned torch, which needs no GPU (bash setup.sh; "
+            f"--dry_run needs torch {SIMULATING_TORCH} or later: torch {torch.__version__}'s memory tracker "
+            "overstates the peak; run it with the pinned torch, which needs no GPU (bash setup.sh; "
             ".venv/bin/python train.py --dry_run)"
         )
 

@@ -31,9 +31,12 @@ TINY = [
     "--curves=False",  # matplotlib costs each run ~0.8 s of CPU; test_run_folder.py checks the curves
 ]
 
-# For the tests that simulate a run with --dry_run, which refuses a torch older than 2.13 (run/options.py):
-# on the GPU image's torch 2.11 they are skipped, and the rest of the suite runs.
-SIMULATES = pytest.mark.skipif(torch.__version__ < "2.13", reason="--dry_run needs torch 2.13 or later")
+# For the tests that simulate a run with --dry_run, which refuses an older torch: on the GPU image's torch
+# 2.11 they are skipped, and the rest of the suite runs.
+SIMULATES = pytest.mark.skipif(
+    torch.__version__ < options.SIMULATING_TORCH,
+    reason=f"--dry_run needs torch {options.SIMULATING_TORCH} or later",
+)
 
 # A stopped rank, named by its last heartbeat (computing while the others wait) or by its silence after it
 BLAMED = r"rank {rank} (was computing \(step \d+\) while the others waited|sent no heartbeat for \d+ s)"
