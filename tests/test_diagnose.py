@@ -150,9 +150,10 @@ def throttle(pid, stop_event, stopped=0.09, running=0.01):
     """Slows a process as a throttling node would: cpulimit's way, stopped for a share of the time, and at
     the lowest priority. On a busy machine this thread wakes late, the process runs free in the meantime and
     some log windows did not name it (2 runs in 9 beside two busy loops); the priority slows it then."""
-    with contextlib.suppress(ProcessLookupError):  # the run ended
-        for thread in os.listdir(f"/proc/{pid}/task"):  # a nice value is each thread's own
+    for thread in os.listdir(f"/proc/{pid}/task"):  # a nice value is each thread's own
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.setpriority(os.PRIO_PROCESS, int(thread), 19)
+    with contextlib.suppress(ProcessLookupError):  # the run ended
         while not stop_event.is_set():
             os.kill(pid, signal.SIGSTOP)
             time.sleep(stopped)
