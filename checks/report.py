@@ -64,13 +64,18 @@ def claim_report_path(cfg: dict, job_id: str, report: dict) -> Path:
 
 
 def write_reports(report: dict, world: World, node: str, cfg: dict) -> Path:
-    """Rank 0 judges each node against its history and claims the report's name, which every rank then
-    learns; each node's local rank 0 writes <stem>_rank<R>.yaml beside it. Returns the report's path."""
+    """Rank 0 judges each node against its history, claims the report's name, which every rank then learns,
+    and names the failing nodes at once; each node's local rank 0 writes <stem>_rank<R>.yaml beside it. Then
+    rank 0 prints the table and draws the picture while the others wait: a rank that left first would have
+    torchrun end rank 0 on a failing verdict before the nodes to leave out were written. Returns the report's
+    path."""
     chosen = [None]
     if world.rank == 0:
         earlier = history.read_history(Path(history_folder(cfg)) / history.HISTORY_FILE)
         history.judge_against_history(report, earlier)
         chosen = [claim_report_path(cfg, report["job"]["id"], report)]
+        if cfg["suspects_folder"]:
+            write_suspects(cfg["suspects_folder"], "benchmark", failed_nodes(report["checks"]))
     dist.broadcast_object_list(chosen, src=0, group=world.cpu_group)
     path = chosen[0]
     if world.is_node_leader:
@@ -78,14 +83,13 @@ def write_reports(report: dict, world: World, node: str, cfg: dict) -> Path:
             path.with_name(f"{path.stem}_rank{world.rank}.yaml"), as_yaml(node_report(report, node))
         )
     if world.rank == 0:
+        print_table(report["checks"])
         drawn = path.with_suffix(".png")
         picture.draw(report, str(drawn))
         history.append(path.parent / history.HISTORY_FILE, report, earlier)
-        print_table(report["checks"])
         seconds = report["job"]["seconds"]
         print(f"verdict: {report['verdict']} in {seconds:.1f} s; report: {path}; picture: {drawn}")
-        if cfg["suspects_folder"]:
-            write_suspects(cfg["suspects_folder"], "benchmark", failed_nodes(report["checks"]))
+    world.barrier()
     return path
 
 

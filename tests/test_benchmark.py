@@ -3,6 +3,7 @@ page cache kept out of the storage figures, memory figures against a plain numpy
 and bad input."""
 
 import ctypes
+import json
 import mmap
 import os
 import signal
@@ -619,3 +620,45 @@ def test_only_gpu_without_a_gpu_is_refused_not_passed(tmp_path, capsys):
     assert exit_status.value.code == 2
     nothing = "--only=gpu on a machine without a GPU would check nothing; run it on a GPU node"
     assert capsys.readouterr().err == f"error: {nothing}\n"
+
+
+SLOW_PICTURE = """import os, sys, time
+sys.path.insert(0, {repo!r})
+sys.argv[0] = {script!r}
+from checks import picture
+import benchmark
+
+drawn = picture.draw
+
+
+def slow_draw(report, path):
+    if os.environ["RANK"] == "0":  # the other rank, failed too, would exit meanwhile
+        time.sleep(5)
+    return drawn(report, path)
+
+
+picture.draw = slow_draw
+sys.exit(benchmark.main())
+"""
+
+
+def test_a_failing_node_is_recorded_before_any_rank_exits(tmp_path):
+    """Under torchrun every rank learns a failing verdict, and torchrun ends rank 0 once another rank exits
+    1. Rank 0's picture takes 5 s here: the failing node and the table must be out all the same."""
+    wrapper = tmp_path / "slow_picture.py"
+    wrapper.write_text(SLOW_PICTURE.format(repo=str(ROOT), script=str(ROOT / "benchmark.py")))
+    suspects = tmp_path / "suspects"
+    result = subprocess.run(
+        [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(wrapper), "--quick", "--only=cpu",
+         f"--report_dir={tmp_path}", f"--suspects_folder={suspects}"],
+        cwd=tmp_path,
+        env={**os.environ, "SLURMD_NODENAME": "n7", "REHEARSE_BAD_NODES": "n7"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )  # fmt: skip
+    assert result.returncode != 0
+    named = json.loads((suspects / "benchmark.json").read_text())["nodes"]
+    assert list(named) == ["n7"] and "REHEARSE_BAD_NODES" in named["n7"], named
+    assert "fail    cpu on node0 (n7)" in result.stdout and "verdict: fail in" in result.stdout, result.stdout
+    assert read_report(tmp_path)["verdict"] == "fail"
