@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from common.files import write_atomically
-from run import export, guard, launch, options, prepare, run_log, safe_load, simulation
+from run import export, guard, launch, options, prepare, run_log, safe_load, simulation, stops
 from run.checkpoints import Checkpointer
 from run.loss import linear_cross_entropy
 from run.options import ConfigError
@@ -171,6 +171,7 @@ def main(argv):
     progress = run_log.Progress(
         args, layers, model_flops, device, total_steps, start_time, log_folder, signals.requests
     )
+    non_finite = stops.NonFiniteSteps(args.max_bad_steps, checkpointer.run_dir, rank == 0)
     if resume_path:
         progress.resume(checkpointer.load(resume_path, model, optimizer, scheduler, batches), resume_path)
 
@@ -189,6 +190,7 @@ def main(argv):
         if step == first_step:  # compiled and loaded: from now on a hung collective ends in minutes
             guard.set_pg_timeouts(guard.PG_TIMEOUT, mesh)
         progress.step_done(step, loss, grad_norm, scheduler.get_last_lr()[0])
+        non_finite.step_done(step, grad_norm)
         scheduler.step()
         val_loss = None
         if validation_batches and args.eval_every and (step % args.eval_every == 0 or step == total_steps):

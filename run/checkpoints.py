@@ -27,6 +27,11 @@ from run.safe_load import UnsafeFile, load_file, load_sharded, metadata_problem
 
 MANIFEST = "manifest.json"
 
+# Options a checkpoint's optimizer and schedule carry values of, which a relaunch may change: the learning
+# rate and its schedule, weight decay, clipping and the run's length (where the cosine decay ends).
+RESUMED_OPTIONS = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_steps", "num_epochs")
+DECAYED_GROUP = 0  # train.py's build_optimizer puts the weights that decay in the first parameter group
+
 HASH_CHUNK = 64 << 20
 
 
@@ -389,6 +394,7 @@ class Checkpointer:
                 options=options,
             )
             scheduler.load_state_dict(trainer_state["scheduler"])
+            self.apply_changed_options(trainer_state.get("config", {}), optimizer, scheduler)
         rank_file = os.path.join(path, f"rank{self.rank}.pt")
         if trainer_state["world_size"] == self.world_size:
             rank_state = self.load_safely(load_file, rank_file)
@@ -403,6 +409,24 @@ class Checkpointer:
         else:  # window positions do not depend on the world size
             batches.load_state_dict(trainer_state["data"])
         return trainer_state
+
+    def apply_changed_options(self, saved, optimizer, scheduler):
+        """The relaunch's --lr and --weight_decay replace the values the checkpoint's optimizer and schedule
+        restored; the rest of the schedule and clipping are read from the options at every step already.
+        One line names each option of RESUMED_OPTIONS that changed: a relaunch does what its command says."""
+        changed = {name: (saved[name], getattr(self.args, name)) for name in RESUMED_OPTIONS
+                   if name in saved and saved[name] != getattr(self.args, name)}  # fmt: skip
+        if not changed:
+            return
+        scheduler.base_lrs = [self.args.lr] * len(optimizer.param_groups)
+        for index, (group, factor) in enumerate(zip(optimizer.param_groups, scheduler.lr_lambdas)):
+            group["initial_lr"], group["lr"] = self.args.lr, self.args.lr * factor(scheduler.last_epoch)
+            if index == DECAYED_GROUP:
+                group["weight_decay"] = self.args.weight_decay
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        if self.rank == 0:
+            changes = ", ".join(f"--{name} {old} -> {new}" for name, (old, new) in changed.items())
+            print(f"options changed since the checkpoint, applied from here on: {changes}", flush=True)
 
 
 def checkpoint_problem(path, rank=0, world_size=1):

@@ -18,10 +18,9 @@ from common.datasheet import datasheet
 from common.files import write_atomically
 from common.node import node_name
 from run import goodput
-from run.checkpoints import newest_checkpoint
 from run.guard import RankTimes, Stragglers, describe_straggler
 from run.heal import write_suspects
-from run.options import ConfigError, exit_after_the_speaker, fail
+from run.options import ConfigError
 
 
 def describe_model(args, shape, model_config, meta_model):
@@ -55,14 +54,14 @@ def print_start(args, shape, model_config, meta_model, device, total_steps):
 class Progress:
     """Where the run stands (step, tokens seen, time) and its log window: the loss over every step since the
     last line, and speed over the timed steps among them (not the first, compiling, step; never evaluation
-    or checkpoint writing). Also stops the run after max_bad_steps non-finite steps in a row."""
+    or checkpoint writing)."""
 
     def __init__(self, args, layers, flops_per_token, device, total_steps, start_time, folder, stop_requests):
         """layers: the model's decoder layers, whose forward is this rank's compute time. stop_requests: the
         signals' list, to which a node's exclusion as a straggler adds a stop (a checkpoint, then exit)."""
         self.args, self.device, self.total_steps, self.start_time = args, device, total_steps, start_time
         self.world_size, self.master = dist.get_world_size(), dist.get_rank() == 0
-        self.step, self.tokens_seen, self.elapsed_before, self.bad_steps = 0, 0, 0.0, 0
+        self.step, self.tokens_seen, self.elapsed_before = 0, 0, 0.0
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops(device)
@@ -151,21 +150,6 @@ class Progress:
             self.log_window["timed"] += 1
         self.log_window["loss"] += loss
         self.log_window["steps"] += 1
-        self.bad_steps = 0 if math.isfinite(grad_norm) else self.bad_steps + 1
-        if self.bad_steps and self.master:
-            print(
-                f"step {step}: non-finite loss or gradient norm, update skipped ({self.bad_steps} in a row, "
-                f"limit {self.args.max_bad_steps})",
-                flush=True,
-            )
-        if self.bad_steps >= self.args.max_bad_steps:
-            if not self.master:
-                exit_after_the_speaker()
-            kept = newest_checkpoint(os.path.join(self.args.checkpoint_dir, self.args.run_name))
-            fail(
-                f"stopping: {self.bad_steps} non-finite steps in a row (lower --lr or raise --warmup_steps); "
-                f"last good checkpoint: {kept or 'none written yet'}"
-            )
 
     def log(self, val_loss):
         """Every rank takes part: the loss is averaged, and the ranks' timings gathered for stragglers."""

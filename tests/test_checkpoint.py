@@ -1,6 +1,7 @@
 import contextlib
 import functools
 import json
+import math
 import os
 import re
 import shutil
@@ -163,8 +164,34 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path):
     )
     assert_rank_0_failed_first_with_status_2(result)
     assert result.stdout.count("non-finite loss or gradient norm, update skipped") == 3
-    assert result.stderr.count("stopping: 3 non-finite steps in a row") == 1, result.stderr  # rank 0 alone
+    assert result.stderr.count("stopping: 3 non-finite steps in a row from step 2") == 1, result.stderr
+    assert "no checkpoint of this run is from before step 1's update" in result.stderr  # rank 0's line alone
     assert not list(tmp_path.glob("*/step_*"))  # nothing bad was checkpointed
+
+
+def test_after_a_non_finite_stop_the_advice_names_a_good_checkpoint_and_the_new_lr_applies(tmp_path):
+    """A healthy run to step 4, then a relaunch of it with an absurd --lr: step 5's update wrecks the weights,
+    steps 6 and 7 are non-finite, and step_6 is written meanwhile. The stop names step_4, and a relaunch from
+    it with another --lr runs at that --lr, not at the one the checkpoint's schedule carries."""
+    run = [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *TINY, "--seq_length=32"]
+    run += ["--run_name=wrecked", "--checkpoint_every=2"]
+    assert launch("train.py", [*run, "--max_steps=4"], nproc=0).returncode == 0
+    wrecked = launch("train.py", [*run, "--max_steps=8", "--lr=1e30", "--max_bad_steps=2"], nproc=0)
+    assert wrecked.returncode == 2, wrecked.stderr[-2000:]
+    assert "options changed since the checkpoint, applied from here on: --lr 0.003 -> 1e+30" in wrecked.stdout
+    assert (tmp_path / "wrecked" / "step_6").is_dir()
+    good = tmp_path / "wrecked" / "step_4"
+    assert error_lines(wrecked.stderr) == [
+        f"error: stopping: 2 non-finite steps in a row from step 6 (lower --lr or raise --warmup_steps); last "
+        f"good checkpoint: {good}; resume with --resume_from={good} and the new options"
+    ]
+    followed = launch("train.py", [*run, "--max_steps=8", f"--resume_from={good}", "--lr=2e-3"], nproc=0)
+    assert followed.returncode == 0, followed.stderr[-2000:]
+    assert "options changed since the checkpoint, applied from here on: --lr 0.003 -> 0.002" in followed.stdout
+    records = {r["step"]: r for r in read_metrics(tmp_path)}
+    # warm-up: step s runs at lr x s / warmup_steps (10)
+    assert [records[step]["lr"] for step in (5, 6, 7, 8)] == pytest.approx([1e-3, 1.2e-3, 1.4e-3, 1.6e-3])
+    assert all(math.isfinite(records[step]["loss"]) for step in (5, 6, 7, 8))
 
 
 def test_unwritable_checkpoint_dir_is_refused_before_training(tmp_path, capsys):
