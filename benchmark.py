@@ -77,6 +77,11 @@ def argument_parser():
         "--suspects_folder",
         help="write the nodes that fail a check to <this>/benchmark.json (slurm_submit.sh)",
     )
+    parser.add_argument(
+        "--outcome",
+        help="write the verdict, the report's path and the failing nodes here as JSON, a new file, once the "
+        "verdict is known (the job reads it: no file, no verdict)",
+    )
     for flag, (kind, text) in SIZE_OPTIONS.items():
         parser.add_argument(flag, type=kind, help=text)
     parser.add_argument(
@@ -113,6 +118,7 @@ def parse_args(argv=None):
         "report_dir": args.report_dir,
         "report": args.report,
         "suspects_folder": args.suspects_folder,
+        "outcome": args.outcome,
         "nic_gbps": args.nic_gbps,
         "min_storage_GBps": args.min_storage_GBps,
         "fail_on_warn": args.fail_on_warn,

@@ -83,6 +83,9 @@ def validate(cfg: dict, args, parser):
         check_report_path(Path(cfg["report"]), parser)
     else:
         check_folder("--report_dir", Path(cfg["report_dir"]), parser)
+    if cfg["outcome"]:
+        refuse_existing("--outcome", Path(cfg["outcome"]), parser)
+        check_folder("--outcome", Path(cfg["outcome"]).parent, parser)
     if "storage" in cfg["sections"]:
         check_storage(cfg, parser)
     if "memory" in cfg["sections"]:
@@ -116,10 +119,15 @@ def check_folder(option: str, folder: Path, parser):
         parser.error(f"{option} {folder}: cannot write there ({error.strerror}); pass a writable folder")
 
 
+def refuse_existing(option: str, path: Path, parser):
+    """A file the run creates: never one that exists."""
+    if os.path.lexists(path):
+        parser.error(f"{option} {path} already exists; pass a new file name or remove it")
+
+
 def check_report_path(path: Path, parser):
     """--report names a new file: never one that exists, nor one whose node reports would replace others."""
-    if os.path.lexists(path):
-        parser.error(f"--report {path} already exists; pass a new file name or remove it")
+    refuse_existing("--report", path, parser)
     if path.suffix != ".yaml":
         parser.error(f"--report {path}: the report is YAML; pass a name ending in .yaml")
     if taken := sorted(path.parent.glob(f"{glob.escape(path.stem)}_rank*.yaml")):

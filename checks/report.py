@@ -5,6 +5,7 @@ failed nodes for the job script.
 import contextlib
 import glob
 import itertools
+import json
 from pathlib import Path
 
 import torch.distributed as dist
@@ -74,8 +75,12 @@ def write_reports(report: dict, world: World, node: str, cfg: dict) -> Path:
         earlier = history.read_history(Path(history_folder(cfg)) / history.HISTORY_FILE)
         history.judge_against_history(report, earlier)
         chosen = [claim_report_path(cfg, report["job"]["id"], report)]
+        failed = failed_nodes(report["checks"])
         if cfg["suspects_folder"]:
-            write_suspects(cfg["suspects_folder"], "benchmark", failed_nodes(report["checks"]))
+            write_suspects(cfg["suspects_folder"], "benchmark", failed)
+        if cfg["outcome"]:
+            outcome = {"verdict": report["verdict"], "report": str(chosen[0]), "failed_nodes": failed}
+            create_atomically(cfg["outcome"], json.dumps(outcome))
     dist.broadcast_object_list(chosen, src=0, group=world.cpu_group)
     path = chosen[0]
     if world.is_node_leader:

@@ -79,13 +79,21 @@ def split_report(bench_args):
     return rest, named.report_dir, named.report
 
 
-def passed(report):
-    """Whether a benchmark report's verdict is pass or warn."""
+def outcome_path(report):
+    """Where benchmark.py writes its outcome for the job (--outcome), beside the report."""
+    return report.with_name(f"{report.stem}.outcome.json")
+
+
+def read_outcome(path):
+    """benchmark.py's outcome: {"verdict": pass, warn or fail, "report": its path, "failed_nodes": {node:
+    why}}; None where it wrote none, having stopped before a verdict (bad input, a crash, a stop)."""
     try:
-        lines = report.read_text(errors="replace").splitlines()
-    except OSError:
-        return False
-    return "verdict: pass" in lines or "verdict: warn" in lines
+        with open(path) as file:
+            outcome = json.load(file)
+    except (OSError, ValueError):
+        return None
+    valid = isinstance(outcome, dict) and outcome.get("verdict") in ("pass", "warn", "fail")
+    return outcome if valid and isinstance(outcome.get("failed_nodes"), dict) else None
 
 
 class Job:
@@ -116,18 +124,20 @@ class Job:
         self.nodes = self.usable(hosts)
         train_args, bench_args = self.arguments(gpus)
         if self.knobs.BENCHMARK_ONLY:
-            return self.benchmark(bench_args)[0]
+            status, _, _, failure = self.benchmark(bench_args)
+            if failure:
+                print(f"error: {failure}", file=sys.stderr)
+            return status
         self.run_folder = self.check(train_args)
-        status, report, ran = self.benchmark(bench_args)
-        if status and not self.knobs.CONTINUE_ON_BENCHMARK_FAILURE:
+        status, report, ran, failure = self.benchmark(bench_args)
+        if failure and not self.knobs.CONTINUE_ON_BENCHMARK_FAILURE:
             print(
-                f"error: benchmark failed (exit {status}), not training: its failing checks are in the "
-                "output (the job's .out log) (CONTINUE_ON_BENCHMARK_FAILURE=1 trains anyway)",
+                f"error: {failure}; not training (CONTINUE_ON_BENCHMARK_FAILURE=1 trains anyway)",
                 file=sys.stderr,
             )
             return self.heal(status)
-        if status:
-            print(f"benchmark failed (exit {status}); CONTINUE_ON_BENCHMARK_FAILURE=1, so training anyway")
+        if failure:
+            print(f"{failure}; CONTINUE_ON_BENCHMARK_FAILURE=1, so training anyway")
         if ran and self.stop:  # the time limit came during the benchmarks: the requeued run goes on to train
             return self.requeue(1)
         status = self.train(train_args, report)
@@ -221,39 +231,78 @@ class Job:
         return run_folder
 
     def benchmark(self, bench_args):
-        """Phase 1 on every node. Returns its exit status, the report to give training (None: none) and
-        whether it ran."""
-        rest, folder, given = split_report(bench_args)
-        earlier = [self.report_name(folder, given, restart) for restart in range(self.scheduler.restarts)]
-        earlier = [report for report in earlier if report.exists()]
+        """Phase 1 on every node. Returns its status (0: its verdict lets the job train), the report to give
+        training (None: none), whether it ran, and why the job may not train (None: it may), from the
+        outcome benchmark.py writes for the job, never from its exit status alone: a benchmark that stopped
+        before a verdict failed no check."""
         if self.knobs.SKIP_BENCHMARK:
             print("SKIP_BENCHMARK=1: skipping the benchmarks")
-            return 0, None, False
-        if earlier and passed(earlier[-1]):
+            return 0, None, False, None
+        rest, folder, given = split_report(bench_args)
+        reports = self.report_names(folder, given)
+        earlier = [outcome for outcome in map(read_outcome, map(outcome_path, reports[:-1])) if outcome]
+        if earlier and earlier[-1]["verdict"] != "fail":
             print("requeued run: skipping the benchmarks (they passed in this job's earlier start)")
-            return 0, earlier[-1], False
-        report = self.report_name(folder, given, self.scheduler.restarts)
+            return 0, Path(earlier[-1]["report"]), False, None
+        report = reports[-1]
         log(f"phase 1: benchmark.py {' '.join(bench_args)}")
-        args = [*rest, f"--report={report}"]
+        args = [*rest, f"--report={report}", f"--outcome={outcome_path(report)}"]
         if self.run_folder:
             args.append(f"--suspects_folder={os.path.join(self.run_folder, 'suspects')}")
         started = self.clock()
         status = self.launch("benchmark.py", args, {})
         self.benchmark_s = self.clock() - started
-        return status, report if report.exists() else None, True
+        outcome = read_outcome(outcome_path(report))
+        if outcome is None:
+            why = f"the benchmark stopped before a verdict (exit {status}; see its output above)"
+            return status or 1, None, True, why
+        if outcome["verdict"] == "fail":
+            blamed = ", ".join(outcome["failed_nodes"]) or "no node"
+            why = (
+                f"the benchmark's verdict is fail (exit {status}), blaming {blamed}: its failing checks are "
+                f"in the output above and in {outcome['report']}"
+            )
+            return status or 1, Path(outcome["report"]), True, why
+        if status:
+            print(f"warning: benchmark.py exited {status} after its verdict, {outcome['verdict']}; going on")
+        return 0, Path(outcome["report"]), True, None
 
-    def report_name(self, folder, given, restart):
-        """A start's benchmark report. benchmark.py refuses one that exists, so each start of a requeued job
-        has its own: benchmark_<job>.yaml, then benchmark_<job>_restart<N>.yaml; outside SLURM each run's is
-        named after the time."""
+    def report_names(self, folder, given):
+        """The benchmark report of each start of this job so far, this one's last. benchmark.py refuses one
+        that exists, so each start has its own: <stem>.yaml, then <stem>_restart<N>.yaml. In a SLURM job the
+        stem is benchmark_<job id>_<its first start, UTC>: job ids start again from 1 when a controller's
+        state is reset, and two clusters may share a folder, so the id alone may name another job's report.
+        The job's comment keeps that time for the starts after a requeue (first_start=, squeue -o %k).
+        Outside SLURM each run's is named after the time."""
         if given:
-            return given.with_name(f"{given.stem}_restart{restart}{given.suffix}") if restart else given
-        if self.scheduler.in_job:
-            return folder / f"benchmark_{self.scheduler.job_id}{f'_restart{restart}' if restart else ''}.yaml"
-        stem = f"benchmark_{time.strftime('%Y%m%d-%H%M%S')}"
-        while (folder / f"{stem}.yaml").exists():  # another run this second
-            stem += "_"
-        return folder / f"{stem}.yaml"
+            stem, folder = given.stem, given.parent
+        elif self.scheduler.in_job:
+            stem = f"benchmark_{self.scheduler.job_id}_{self.first_start()}"
+        else:
+            stem = f"benchmark_{time.strftime('%Y%m%d-%H%M%S')}"
+            while (folder / f"{stem}.yaml").exists():  # another run this second
+                stem += "_"
+        suffix = given.suffix if given else ".yaml"
+        return [
+            folder / f"{stem}{f'_restart{restart}' if restart else ''}{suffix}"
+            for restart in range(self.scheduler.restarts + 1)
+        ]
+
+    def first_start(self):
+        """This job's first start, as its comment keeps it; kept there now on the first start."""
+        comment = self.scheduler.comment()
+        kept = slurm.comment_value(comment, "first_start")
+        if kept:
+            return kept
+        now = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        refused = self.scheduler.set_comment(slurm.with_comment_value(comment, "first_start", now))
+        if refused:
+            print(
+                f"warning: cannot keep first_start={now} in the job's comment ({refused}): a requeued start "
+                "will not find this start's benchmark report, and benchmarks again",
+                file=sys.stderr,
+            )
+        return now
 
     def train(self, train_args, report):
         env = {"BENCHMARK_SECONDS": f"{self.benchmark_s:.1f}", "JOB_STOP_FILE": self.stop_file()}

@@ -10,8 +10,6 @@ import socket
 import subprocess
 import time
 
-LEFT_OUT = re.compile(r"(?:^| )left_out=(\S+)")
-
 
 def duration_s(text):
     """Seconds of a duration as scontrol shows it, [days-]hours:minutes:seconds; None for UNLIMITED."""
@@ -137,16 +135,28 @@ class Slurm(Local):
         return subprocess.run(command, env=env).returncode
 
 
+def comment_value(comment, key):
+    """The value of key=value in a job's comment, where the job keeps what its next start must know; None
+    when it has none."""
+    match = re.search(rf"(?:^| ){re.escape(key)}=(\S+)", comment)
+    return match.group(1) if match else None
+
+
+def with_comment_value(comment, key, value):
+    """The comment, its key=value replaced by value (the rest of it, the user's own text, kept)."""
+    kept = re.sub(rf"(?:^| ){re.escape(key)}=\S+", "", comment).strip()
+    return f"{kept} {key}={value}".strip()
+
+
 def left_out(comment):
     """The nodes a job's comment says it left out before (left_out=n1,n2)."""
-    match = LEFT_OUT.search(comment)
-    return match.group(1).split(",") if match else []
+    nodes = comment_value(comment, "left_out")
+    return nodes.split(",") if nodes else []
 
 
 def with_left_out(comment, nodes):
     """The comment, its left_out= replaced by nodes."""
-    kept = LEFT_OUT.sub("", comment).strip()
-    return f"{kept} left_out={','.join(nodes)}".strip()
+    return with_comment_value(comment, "left_out", ",".join(nodes))
 
 
 def scheduler(environ=os.environ, container_image=""):

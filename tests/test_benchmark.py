@@ -21,6 +21,7 @@ import yaml
 import benchmark
 from checks import collectives, gpu, host, storage, timing, verdicts, world
 from common import datasheet, stragglers
+from run import job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -602,6 +603,10 @@ def a_file(tmp_path: Path) -> Path:
         (lambda tmp: ["--nic_gbps", "0"], "--nic_gbps: '0' is not a positive number"),
         (lambda tmp: ["--gpu_seconds", "inf"], "--gpu_seconds: 'inf' is not a positive number"),
         (lambda tmp: ["--min_storage_GBps", "fast"], "--min_storage_GBps: 'fast' is not a positive number"),
+        (
+            lambda tmp: ["--outcome", str(a_file(tmp))],
+            "--outcome {tmp}/file already exists; pass a new file name or remove it",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, capsys, arguments, message):
@@ -647,10 +652,10 @@ def test_a_failing_node_is_recorded_before_any_rank_exits(tmp_path):
     1. Rank 0's picture takes 5 s here: the failing node and the table must be out all the same."""
     wrapper = tmp_path / "slow_picture.py"
     wrapper.write_text(SLOW_PICTURE.format(repo=str(ROOT), script=str(ROOT / "benchmark.py")))
-    suspects = tmp_path / "suspects"
+    suspects, outcome = tmp_path / "suspects", tmp_path / "outcome.json"
     result = subprocess.run(
         [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(wrapper), "--quick", "--only=cpu",
-         f"--report_dir={tmp_path}", f"--suspects_folder={suspects}"],
+         f"--report_dir={tmp_path}", f"--suspects_folder={suspects}", f"--outcome={outcome}"],
         cwd=tmp_path,
         env={**os.environ, "SLURMD_NODENAME": "n7", "REHEARSE_BAD_NODES": "n7"},
         capture_output=True,
@@ -662,3 +667,6 @@ def test_a_failing_node_is_recorded_before_any_rank_exits(tmp_path):
     assert list(named) == ["n7"] and "REHEARSE_BAD_NODES" in named["n7"], named
     assert "fail    cpu on node0 (n7)" in result.stdout and "verdict: fail in" in result.stdout, result.stdout
     assert read_report(tmp_path)["verdict"] == "fail"
+    read = job.read_outcome(outcome)  # as the job reads it
+    assert read["verdict"] == "fail" and read["failed_nodes"] == named
+    assert read["report"] == f"{tmp_path}/benchmark_{read_report(tmp_path)['job']['id']}.yaml"

@@ -82,7 +82,8 @@ class FakeSlurm:
         script = command[3]
         process = FakeLaunch(lambda process: self.phases(script, nodes, process), env)
         if script == "benchmark.py":
-            process.report = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--report="))
+            named = dict(arg.split("=", 1) for arg in command if arg.startswith(("--report=", "--outcome=")))
+            process.report, process.outcome_path = named["--report"], named["--outcome"]
         self.launches.append((self.restarts, script, list(nodes), process))
         return process
 
@@ -128,10 +129,26 @@ def blame(run_folder, name, nodes):
     heal.write_suspects(run_folder, name, {node: f"{name} blamed it" for node in nodes})
 
 
-def passing_benchmark(process, verdict="pass"):
+def benchmark_verdict(process, verdict="pass", failed_nodes=None):
+    """What benchmark.py leaves once it has a verdict: the report, and the outcome the job reads."""
     with open(process.report, "w") as file:
         file.write(f"world:\n  nodes: 3\nverdict: {verdict}\n")
-    return 0
+    with open(process.outcome_path, "w") as file:
+        json.dump({"verdict": verdict, "report": process.report, "failed_nodes": failed_nodes or {}}, file)
+    return 1 if verdict == "fail" else 0
+
+
+def passing_benchmark(process):
+    return benchmark_verdict(process)
+
+
+def failing_benchmark(process, run_folder, nodes):
+    blame(run_folder, "benchmark", nodes)
+    return benchmark_verdict(process, "fail", {node: "benchmark blamed it" for node in nodes})
+
+
+def first_start(scheduler):
+    return slurm.comment_value(scheduler.comment_text, "first_start")
 
 
 def launched(scheduler):
@@ -141,21 +158,25 @@ def launched(scheduler):
 def test_a_node_failing_the_benchmark_is_left_out_and_the_job_requeues_without_it(tmp_path, capsys):
     def phases(script, nodes, process):
         if script == "benchmark.py" and "n3" in nodes:
-            blame(tmp_path, "benchmark", ["n3"])
-            return 1
+            return failing_benchmark(process, tmp_path, ["n3"])
         return passing_benchmark(process) if script == "benchmark.py" else 0
 
     scheduler = FakeSlurm(tmp_path, phases)
     assert run_job(scheduler, clock=itertools.count(0, 7).__next__) == [0, 0]  # a benchmark takes 7 s
     assert launched(scheduler) == [(0, "benchmark.py", "n1 n2 n3"), (1, "benchmark.py", "n1 n2"),
                                    (1, "train.py", "n1 n2")]  # fmt: skip
-    assert scheduler.comment_text == "left_out=n3" and scheduler.excluded_nodes == "n3"
+    assert slurm.left_out(scheduler.comment_text) == ["n3"] and scheduler.excluded_nodes == "n3"
     assert list(heal.read_excluded(tmp_path / "excluded_nodes")[0]) == ["n3"]
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "leaving out n3 (why: " in out and "requeueing job 42 (restart 1 of at most 5)" in out
+    stem = f"logs/benchmark_42_{first_start(scheduler)}"
+    assert (
+        "error: the benchmark's verdict is fail (exit 1), blaming n3: its failing checks are in the output "
+        f"above and in {stem}.yaml; not training" in err
+    ), err
     # the requeued start's benchmark has a report of its own, which training is pointed to
     training_env = scheduler.launches[-1][3].env
-    assert training_env["BENCHMARK_REPORT"] == "logs/benchmark_42_restart1.yaml"
+    assert training_env["BENCHMARK_REPORT"] == f"{stem}_restart1.yaml"
     assert training_env["BENCHMARK_SECONDS"] == "7.0"  # this start's benchmark, for the goodput ledger
 
 
@@ -173,8 +194,7 @@ def test_nodes_are_left_out_one_requeue_each_and_the_job_stops_past_the_cap(tmp_
     def phases(script, nodes, process):
         if script == "benchmark.py":
             if "n3" in nodes:
-                blame(tmp_path, "benchmark", ["n3"])
-                return 1
+                return failing_benchmark(process, tmp_path, ["n3"])
             return passing_benchmark(process)
         blame(tmp_path, "hang_rank0", [nodes[-1]])  # each training start blames its last node
         return 3
@@ -186,7 +206,7 @@ def test_nodes_are_left_out_one_requeue_each_and_the_job_stops_past_the_cap(tmp_
     assert list(heal.read_excluded(tmp_path / "excluded_nodes")[0]) == ["n3", "n2", "n1"]
     err = capsys.readouterr().err
     assert err.count("error: stopping: 3 bad nodes, more than MAX_EXCLUDED_NODES=2: n3 (") == 1, err
-    assert scheduler.excluded_nodes == "n3,n2" and scheduler.comment_text == "left_out=n3,n2"
+    assert scheduler.excluded_nodes == "n3,n2" and slurm.left_out(scheduler.comment_text) == ["n3", "n2"]
 
 
 def test_the_cap_on_requeues_stops_the_job_with_the_node_it_would_leave_out(tmp_path, capsys):
@@ -200,6 +220,57 @@ def test_the_cap_on_requeues_stops_the_job_with_the_node_it_would_leave_out(tmp_
         "error: stopping: n3,n2 left out, but all MAX_REQUEUES=1 requeues are used" in capsys.readouterr().err
     )
     assert scheduler.requeues == 1
+
+
+def test_an_earlier_job_with_the_same_id_neither_stops_this_one_nor_stands_in_for_its_benchmarks(
+    tmp_path, job_signals
+):
+    """Job ids start again from 1 when a controller's state is reset: an earlier job 42 left its reports and
+    outcomes, passing, under the names it had. This job 42 benchmarks into names of its own; the time limit
+    comes meanwhile, and the requeued start finds this job's passing report by the time its comment keeps,
+    skips the benchmarks and trains."""
+    logs = tmp_path / "logs"
+    for stem in ("benchmark_42", "benchmark_42_restart1", "benchmark_42_20240101T000000Z"):
+        (logs / f"{stem}.yaml").write_text("verdict: pass\n")
+        (logs / f"{stem}.outcome.json").write_text(
+            json.dumps({"verdict": "pass", "report": f"logs/{stem}.yaml", "failed_nodes": {}})
+        )
+    earlier = {path: path.read_text() for path in logs.iterdir()}
+
+    def phases(script, nodes, process):
+        if script == "benchmark.py":
+            assert not os.path.exists(process.report) and not os.path.exists(process.outcome_path)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            return passing_benchmark(process)
+        return 0
+
+    scheduler = FakeSlurm(tmp_path, phases, comment="mine")
+    assert run_job(scheduler) == [0, 0]
+    stamp = first_start(scheduler)
+    assert scheduler.comment_text == f"mine first_start={stamp}" and stamp != "20240101T000000Z"
+    assert launched(scheduler) == [(0, "benchmark.py", "n1 n2 n3"), (1, "train.py", "n1 n2 n3")]
+    assert scheduler.launches[-1][3].env["BENCHMARK_REPORT"] == f"logs/benchmark_42_{stamp}.yaml"
+    assert {path: path.read_text() for path in earlier} == earlier
+
+
+def test_a_benchmark_that_stopped_before_a_verdict_is_not_called_a_failing_check(tmp_path, capsys):
+    """benchmark.py refused its input (exit 2) or crashed: no outcome. The job says so, blames no node and
+    stops."""
+    scheduler = FakeSlurm(tmp_path, lambda script, nodes, process: 2)
+    assert run_job(scheduler) == [2]
+    err = capsys.readouterr().err
+    assert err == (
+        "error: the benchmark stopped before a verdict (exit 2; see its output above); not training "
+        "(CONTINUE_ON_BENCHMARK_FAILURE=1 trains anyway)\n"
+    )
+    assert scheduler.requeues == 0 and launched(scheduler) == [(0, "benchmark.py", "n1 n2 n3")]
+    # training anyway, when asked to
+    scheduler = FakeSlurm(tmp_path, lambda script, nodes, process: 2 if script == "benchmark.py" else 0)
+    assert run_job(scheduler, CONTINUE_ON_BENCHMARK_FAILURE=1) == [0]
+    assert launched(scheduler)[-1] == (0, "train.py", "n1 n2 n3")
+    assert "the benchmark stopped before a verdict (exit 2; see its output above); CONTINUE_ON" in (
+        capsys.readouterr().out
+    )
 
 
 def test_a_failure_that_blames_no_node_stops_the_job(tmp_path, capsys):
@@ -297,7 +368,9 @@ def test_a_stop_during_the_benchmarks_requeues_before_training(tmp_path, job_sig
     assert run_job(scheduler) == [0, 0]
     # the requeued start skips the benchmarks that passed, trains, and the earlier stop is not its own
     assert launched(scheduler) == [(0, "benchmark.py", "n1 n2 n3"), (1, "train.py", "n1 n2 n3")]
-    assert scheduler.launches[1][3].env["BENCHMARK_REPORT"] == "logs/benchmark_42.yaml"
+    assert (
+        scheduler.launches[1][3].env["BENCHMARK_REPORT"] == f"logs/benchmark_42_{first_start(scheduler)}.yaml"
+    )
     assert not (tmp_path / job.STOP_FILE).exists()
 
 

@@ -1,6 +1,7 @@
 """Where benchmark.py's reports go: --report=PATH exactly, under torchrun too; two runs into one folder keep
 two reports, each printing its own; and the one-line refusals about report folders and storage space."""
 
+import json
 import os
 import re
 import subprocess
@@ -51,7 +52,10 @@ def test_two_runs_started_together_into_one_folder_leave_two_reports(tmp_path):
 
 def test_report_path_is_taken_exactly_under_torchrun_and_then_refused(tmp_path, capsys):
     report = tmp_path / "runs" / "job" / "cluster.yaml"
-    command = torchrun_command("benchmark.py", [*QUICK, f"--report={report}"], nproc=2)
+    outcome = report.with_name("outcome.json")
+    command = torchrun_command(
+        "benchmark.py", [*QUICK, f"--report={report}", f"--outcome={outcome}"], nproc=2
+    )
     result = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert printed_report(result.stdout) == str(report)
@@ -60,7 +64,9 @@ def test_report_path_is_taken_exactly_under_torchrun_and_then_refused(tmp_path, 
         "cluster.png",
         "cluster.yaml",
         "cluster_rank0.yaml",
+        "outcome.json",
     ]
+    assert json.loads(outcome.read_text()) == {"verdict": "pass", "report": str(report), "failed_nodes": {}}
     assert not (tmp_path / "logs").exists()  # --report_dir's default is not touched
     stderr = refusal(capsys, *QUICK, f"--report={report}")
     assert stderr == f"error: --report {report} already exists; pass a new file name or remove it\n"
