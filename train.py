@@ -267,6 +267,11 @@ def parse_source(args):
             f"--data={args.data}: no such file or folder, and not one of dummy, wikitext, c4, "
             f"hf:NAME[:CONFIG]"
         )
+    if source[0] != "hub" and os.path.exists(source[1]) and (kind := prepare.kernel_filesystem(source[1])):
+        raise ConfigError(
+            f"--data={args.data} is on the kernel's {kind} filesystem, a view of the running system and not "
+            f"a corpus; give a file or folder of .txt, .jsonl or .parquet files"
+        )
     if source[0] == "stream" and args.max_steps == -1:
         raise ConfigError(f"--data={args.data} is streamed and has no known length: set --max_steps")
     return source

@@ -1,5 +1,6 @@
-"""Files that are whole or absent: written under a temporary name in the same folder, then renamed into
-place, so that a reader never sees half a file and a crash leaves no torn one."""
+"""How the project writes files: whole or not at all (under a temporary name in the same folder, then renamed
+into place, so that a reader never sees half a file and a crash leaves no torn one), and only under the
+folders a user named, libraries' caches included."""
 
 import os
 
@@ -22,3 +23,10 @@ def create_atomically(path, text):
         os.link(temporary, path)
     finally:
         os.remove(temporary)
+
+
+def matplotlib_writes_under(folder):
+    """matplotlib keeps a font cache in ~/.cache/matplotlib unless MPLCONFIGDIR names another folder; a run
+    writes only under the folders it was given, so its cache goes under folder (a user's MPLCONFIGDIR
+    wins). Before matplotlib is imported: it reads the variable once."""
+    os.environ.setdefault("MPLCONFIGDIR", os.path.join(os.path.abspath(folder), ".matplotlib"))

@@ -7,6 +7,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import stat
 from datetime import timedelta
 
@@ -44,6 +45,32 @@ def corpus_files(path):
         if kind:
             raise ConfigError(f"--data: {name} is {kind}, not a regular file; remove it from the corpus")
     return sorted(found)
+
+
+# Filesystems the kernel makes up: their "files" are views of the running system, some endless, some that
+# block on read, and walking one (/proc) takes minutes. Never a corpus.
+KERNEL_FILESYSTEMS = {
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
+    "configfs", "bpf", "pstore", "efivarfs", "mqueue", "hugetlbfs", "fusectl", "binfmt_misc", "autofs",
+    "nsfs", "rpc_pipefs", "selinuxfs",
+}  # fmt: skip
+
+
+def kernel_filesystem(path):
+    """The type of the kernel's filesystem path lies on (proc, sysfs, devtmpfs, ...), or None: the mount of
+    /proc/self/mountinfo with the longest mount point that contains the path."""
+    path, mounts = os.path.realpath(path), {}
+    try:
+        with open("/proc/self/mountinfo") as file:
+            for line in file:
+                fields, _, after = line.partition(" - ")
+                point = re.sub(r"\\([0-7]{3})", lambda code: chr(int(code.group(1), 8)), fields.split()[4])
+                mounts[point] = after.split()[0]  # mountinfo writes a space in a path as \040
+    except (OSError, IndexError):
+        return None
+    inside = [point for point in mounts if path == point or path.startswith(point.rstrip("/") + "/")]
+    kind = mounts[max(inside, key=len)] if inside else None
+    return kind if kind in KERNEL_FILESYSTEMS else None
 
 
 def not_a_regular_file(path):
@@ -141,14 +168,13 @@ def load_document_splits(args, kind, name, config):
     from datasets import load_dataset
     from datasets.utils import logging as datasets_logging
 
-    cache_dir = os.path.join(args.data_cache, "hf")
     if kind == "hub":
         fix = (
             f" and nothing is prepared in {args.data_cache}; run `python train.py --prepare_only "
             f"--data={args.data} --tokenizer={args.tokenizer} --data_cache={args.data_cache}` on a machine "
             f"with internet"
         )
-        splits = load_hub_dataset(args, name, config, fix, cache_dir=cache_dir)
+        splits = load_hub_dataset(args, name, config, fix)
     else:
         files = corpus_files(name)
         formats = sorted({os.path.splitext(path)[1] for path in files} & set(FILE_BUILDERS))
@@ -165,7 +191,7 @@ def load_document_splits(args, kind, name, config):
         verbosity = datasets_logging.get_verbosity()
         datasets_logging.set_verbosity(datasets_logging.CRITICAL)
         try:
-            splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=cache_dir)
+            splits = load_dataset(FILE_BUILDERS[formats[0]], **where, cache_dir=hub_cache(args))
         except Exception:
             if formats[0] == ".txt" or not (why := unreadable_file(files, formats[0], args.text_column)):
                 raise
@@ -187,13 +213,19 @@ def load_document_splits(args, kind, name, config):
     return splits
 
 
+def hub_cache(args):
+    """Where datasets keeps its downloads, its Arrow files and its lock files: under --data_cache, never in
+    the user's ~/.cache, which a run was not told it may write to."""
+    return os.path.join(args.data_cache, "hf")
+
+
 def load_hub_dataset(args, name, config, fix, **options):
     """A dataset of the hub, whose train split must hold --text_column; when the hub cannot give it
     (unreachable, or not there), one line that ends with fix."""
     from datasets import load_dataset
 
     try:
-        splits = load_dataset(name, config, **options)
+        splits = load_dataset(name, config, cache_dir=hub_cache(args), **options)
     except OSError as error:  # unreachable (ConnectionError) or not there
         reason = str(error).splitlines()[0]
         raise ConfigError(f"cannot load {name} from the Hugging Face hub ({reason}){fix}") from None

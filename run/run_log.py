@@ -15,7 +15,7 @@ import torch.distributed as dist
 import yaml
 
 from common.datasheet import datasheet
-from common.files import write_atomically
+from common.files import matplotlib_writes_under, write_atomically
 from common.node import node_name
 from run import goodput
 from run.guard import RankTimes, Stragglers, describe_straggler
@@ -331,7 +331,10 @@ WANDB_INIT_TIMEOUT_S = 20  # W&B's own is 90 s, and an unreachable server cost a
 def start_wandb(args, folder):
     """W&B's run for this run (its id is the run name, so a relaunch continues it). When W&B cannot be
     reached, or refuses (no API key), the run logs offline, which `wandb sync` uploads later, rather than
-    waiting or stopping."""
+    waiting or stopping. Its debug logs and staged files go to the run's folder too, not to ~/.cache and
+    ~/.local/share (a user's WANDB_CACHE_DIR and WANDB_DATA_DIR win)."""
+    for variable, name in (("WANDB_CACHE_DIR", "cache"), ("WANDB_DATA_DIR", "data")):
+        os.environ.setdefault(variable, os.path.join(os.path.abspath(folder), "wandb", name))
     import wandb
 
     run = dict(project=args.wandb, id=args.run_name, name=args.run_name, resume="allow", config=vars(args))
@@ -375,6 +378,7 @@ def read_records(folder):
 
 def plot_curves(folder):
     """<folder>/curves.png: loss and validation loss, learning rate, tokens/s and MFU against the step."""
+    matplotlib_writes_under(os.path.dirname(os.path.abspath(folder)))  # the log folder, beside the runs
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a compute node

@@ -182,12 +182,14 @@ def test_after_a_non_finite_stop_the_advice_names_a_good_checkpoint_and_the_new_
     assert (tmp_path / "wrecked" / "step_6").is_dir()
     good = tmp_path / "wrecked" / "step_4"
     assert error_lines(wrecked.stderr) == [
-        f"error: stopping: 2 non-finite steps in a row from step 6 (lower --lr or raise --warmup_steps); last "
-        f"good checkpoint: {good}; resume with --resume_from={good} and the new options"
+        "error: stopping: 2 non-finite steps in a row from step 6 (lower --lr or raise --warmup_steps); "
+        f"last good checkpoint: {good}; resume with --resume_from={good} and the new options"
     ]
     followed = launch("train.py", [*run, "--max_steps=8", f"--resume_from={good}", "--lr=2e-3"], nproc=0)
     assert followed.returncode == 0, followed.stderr[-2000:]
-    assert "options changed since the checkpoint, applied from here on: --lr 0.003 -> 0.002" in followed.stdout
+    assert "options changed since the checkpoint, applied from here on: --lr 0.003 -> 0.002" in (
+        followed.stdout
+    )
     records = {r["step"]: r for r in read_metrics(tmp_path)}
     # warm-up: step s runs at lr x s / warmup_steps (10)
     assert [records[step]["lr"] for step in (5, 6, 7, 8)] == pytest.approx([1e-3, 1.2e-3, 1.4e-3, 1.6e-3])

@@ -81,7 +81,14 @@ TEXT = [*DATA, "--eval_every=0", "--run_name=text"]
 
 
 @pytest.fixture(scope="module")
-def text_runs(tmp_path_factory, tokenizer_dir):
+def home(tmp_path_factory):
+    """The runs' HOME: a run writes under the folders it was given alone, so nothing lands here (datasets
+    would put its lock files in ~/.cache/huggingface)."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def text_runs(tmp_path_factory, tokenizer_dir, home):
     """The training runs on text that the tests below read, launched two at a time, each with its own data
     cache: name -> (its folder, result)."""
     corpus = write_corpus(tmp_path_factory.mktemp("corpus"))
@@ -103,6 +110,7 @@ def text_runs(tmp_path_factory, tokenizer_dir):
                 f"--checkpoint_dir={folders[name]}",
                 nproc=0 if name == "one process" else 2,
                 expect_ok=False,
+                env={"HOME": str(home)},
             )
             for name, args in runs.items()
         ]
@@ -238,6 +246,13 @@ def test_streaming_parquet_folder_trains_on_two_processes(text_runs):
     assert len(records) == 20
     assert records[-1]["loss"] < 0.5 * records[0]["loss"]
     assert [r["step"] for r in records if "val_loss" in r] == [10, 20]
+
+
+def test_text_runs_write_nothing_outside_their_folders(text_runs, home):
+    """A stream through datasets, a folder prepared and cached, a resumed run: their caches and lock files
+    live under --data_cache, never in the home folder."""
+    assert all(result.returncode == 0 for _, result in text_runs.values())
+    assert list(home.rglob("*")) == []
 
 
 def test_hub_source_without_network_or_prepared_tokens_names_the_prepare_command(tmp_path, tokenizer_dir):

@@ -65,7 +65,9 @@ def wandb_records(path):
 
 def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_path):
     report = tmp_path / "benchmark_7.yaml"
-    env = {"WANDB_MODE": "offline", "BENCHMARK_REPORT": str(report), "SLURM_JOB_ID": "7"}
+    home = tmp_path / "home"  # a run writes under the folders it was given alone: nothing lands here
+    home.mkdir()
+    env = {"WANDB_MODE": "offline", "BENCHMARK_REPORT": str(report), "SLURM_JOB_ID": "7", "HOME": str(home)}
     common = [f"--log_dir={tmp_path / 'logs'}", f"--checkpoint_dir={tmp_path / 'ckpt'}", "--wandb=fsdp-test"]
     code, output = run_until([*common, *RUN], tmp_path / "logs", 1, signal.SIGTERM, env=env)
     assert code != 0 and "stopped by signal after step" in output, output[-3000:]
@@ -98,7 +100,9 @@ def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_pa
 
     # The saved config replays the run: it has finished, so nothing is done.
     # (W&B is left out from here on: it takes seconds to start, and the parts above tested it.)
-    replay = launch("train.py", [f"--config={folder / 'config.yaml'}", "--wandb=none"], nproc=0)
+    replay = launch(
+        "train.py", [f"--config={folder / 'config.yaml'}", "--wandb=none"], nproc=0, env={"HOME": str(home)}
+    )
     assert replay.returncode == 0, replay.stderr[-3000:]
     assert replay.stdout.strip().splitlines()[-1] == (
         f"run life already finished at step 6 ({tmp_path / 'ckpt' / 'life' / 'step_6'}); nothing to do. "
@@ -106,11 +110,15 @@ def test_a_run_stopped_resumed_finished_and_continued_lives_in_one_folder(tmp_pa
     )
     assert "model exported" not in replay.stdout
     longer = launch(
-        "train.py", [f"--config={folder / 'config.yaml'}", "--max_steps=8", "--wandb=none"], nproc=0
+        "train.py",
+        [f"--config={folder / 'config.yaml'}", "--max_steps=8", "--wandb=none"],
+        nproc=0,
+        env={"HOME": str(home)},
     )
     assert longer.returncode == 0 and "resumed from" in longer.stdout, longer.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "logs")] == [1, 2, 3, 4, 5, 6, 7, 8]
     assert "max_steps: 8" in (folder / "config.yaml").read_text()
+    assert [str(path.relative_to(home)) for path in home.rglob("*")] == [], list(home.rglob("*"))
 
 
 EXPORTS = [("tiny", "sharded"), ("tiny-llama", "full")]

@@ -159,6 +159,8 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
         (["--init_from=./no_such_model"], {}, "--init_from=./no_such_model: no such folder"),
         (["--init_from=/no/such/model"], {}, "--init_from=/no/such/model: no such folder"),
         (["--model=tiny", "--log_dir=/proc/logs"], {}, "--log_dir=/proc/logs is not writable"),
+        (["--model=tiny", "--data=/proc"], {}, "--data=/proc is on the kernel's proc filesystem"),
+        (["--model=tiny", "--data=hf:/sys"], {}, "--data=hf:/sys is on the kernel's sysfs filesystem"),
         (
             ["--model=tiny", "--data=train.py", "--data_cache=/proc/cache", "--tokenizer=./no_tokenizer"],
             {},
