@@ -11,13 +11,14 @@ import os
 import pickle
 import sys
 import tempfile
-import types
 
 import torch
 
 import train
+from common import options
+from common.errors import ConfigError, fail
 from run.export import export_checkpoint
-from run.options import ConfigError, convert, fail, print_help, refuse_remote_code
+from run.options import refuse_remote_code
 from run.safe_load import refused_weights
 
 # --help prints these options verbatim from this file; fmt: off keeps their comments aligned
@@ -34,16 +35,7 @@ seed: int = 1337
 
 
 def parse_args(argv):
-    hints = {k: v for k, v in __annotations__.items()}
-    cfg = {name: globals()[name] for name in hints}
-    for arg in argv:
-        name, has_value, text = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or name not in cfg:
-            raise ConfigError(
-                f"unexpected argument {arg!r}: options are --name=value, one of --{', --'.join(cfg)}"
-            )
-        cfg[name] = convert(name, text if has_value else "true", hints[name], "--")
-    cfg = types.SimpleNamespace(**cfg)
+    cfg = options.parse_args(argv, options.constants_of(sys.modules[__name__]))
     if not cfg.init_from:
         raise ConfigError("--init_from is required: an exported folder or a step_N checkpoint folder")
     exported = os.path.isfile(os.path.join(cfg.init_from, "config.json"))
@@ -124,7 +116,7 @@ def generate(cfg, folder):
 
 def main(argv):
     if {"-h", "--help"} & set(argv):
-        return print_help(sys.modules[__name__], "init_from: str")
+        return options.print_help(sys.modules[__name__])
     try:
         cfg = parse_args(argv)
         if os.path.isfile(os.path.join(cfg.init_from, "config.json")):

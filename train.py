@@ -9,8 +9,8 @@ as --name=value (bare --flag means True); flags win over the file.
 
 This file decides what is trained; read top to bottom: the constants, main() (the plan of a run), then
 data, the model and the training step, each section opening with a comment bar. How a run is operated
-(options, launch, checkpoints, the run log, the guard against hangs and stragglers, the dry run) is in the
-modules of run/, which this file imports and which never import it.
+(options, launch, checkpoints, progress and the run log, goodput, stops, the watchdog, stragglers, the dry
+run) is in the modules of run/, one owner each, which this file imports and which never import it.
 """
 
 import contextlib
@@ -40,11 +40,18 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from common.errors import ConfigError, fail, report_config_error
 from common.files import write_atomically
-from run import export, guard, launch, options, prepare, run_log, safe_load, simulation, stops
+from common.options import constants_of, parse_args, print_help
+from run import export, goodput, launch, options, prepare, run_log, safe_load, simulation, stops
 from run.checkpoints import Checkpointer
+from run.curves import plot_run
+from run.hub import use_cache_if_hub_unreachable
 from run.loss import linear_cross_entropy
-from run.options import ConfigError
+from run.profiler import StepProfiler
+from run.progress import Progress, print_start
+from run.stragglers import StragglerWatch
+from run.watchdog import Watchdog
 
 # The constants are a table: the formatter leaves its alignment alone.
 # fmt: off
@@ -120,22 +127,44 @@ exclude_stragglers_after: int = 0   # log windows in a row a node is the straggl
 profile_steps: str | None = None    # A,B: torch.profiler traces steps A to B (as logged) of rank 0
 # fmt: on
 
+# Each option above either changes what a run computes or only how the run is operated. The default
+# --run_name is a digest of the first kind, so that a relaunch with the same values resumes the run and a
+# change of one starts another. A run's length is of the second kind: a larger --max_steps goes on with the
+# same run. tests/test_train.py fails for an option in neither list.
+# fmt: off
+NAMES_THE_RUN = (
+    "model", "init_from", "n_embd", "n_layer", "n_head", "n_positions", "vocab_size", "data", "batch_size",
+    "seq_length", "global_batch_size", "tokenizer", "text_column", "val_fraction", "lr", "min_lr",
+    "warmup_steps", "weight_decay", "grad_clip", "seed", "sharding", "cpu_offload",
+    "activation_checkpointing", "ac_every", "compile", "mixed_precision", "ckpt_format",
+)
+OPERATES_THE_RUN = (
+    "num_epochs", "max_steps", "data_cache", "prepare_only", "eval_every", "eval_batches", "checkpoint_dir",
+    "run_name", "checkpoint_every", "node_mtbf_hours", "keep_last", "async_checkpoint", "resume_from",
+    "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "curves", "wandb", "plot",
+    "export_from", "check_only", "dry_run", "world_size", "gpus_per_node", "gpu", "hang_minimum_s",
+    "hang_factor", "checkpoint_limit_s", "eval_limit_s", "exclude_stragglers_after", "profile_steps",
+)
+# fmt: on
+
 
 def main(argv):
     """The plan of a run. Bad input is a ConfigError wherever it is found: one line, exit status 2."""
     if {"-h", "--help"} & set(argv):
-        return options.print_help(sys.modules[__name__])
+        return print_help(sys.modules[__name__])
     try:
-        args = options.parse_args(argv, constants())
-        shape = options.validate(args, resolve_shape, parse_source)
+        args = parse_args(argv, constants_of(sys.modules[__name__]))
+        use_cache_if_hub_unreachable(args, parse_source(args)[0])  # before any Hugging Face library loads
         if args.plot:
-            return run_log.plot_run(args.plot)
-        if args.check_only:
-            return report_checked(os.path.join(args.log_dir, args.run_name))
+            return plot_run(args.plot)
         if args.export_from:
             export.export_checkpoint(args.export_from, rebuild_model)
             return 0
+        shape = complete_and_check(args)
+        if args.check_only:
+            return report_checked(os.path.join(args.log_dir, args.run_name))
         tokenizer = load_tokenizer(args)
+        never_packed_sequences()  # a process-wide change to transformers: see its docstring
         model_config = build_model_config(shape, tokenizer, args.vocab_size)
         meta_model = build_meta_model(model_config)
         imports_done()
@@ -144,7 +173,8 @@ def main(argv):
         if args.dry_run:
             return simulation.report_dry_run(args, shape, model_config, meta_model, training_path())
         launch.check_machine_holds(args, meta_model)
-        signals = guard.StopSignals()
+        stop_requests = stops.StopRequests()
+        signals = stops.StopSignals(stop_requests)
         run_dir, log_folder, lock = launch.make_run_folders(args)
         start_time = time.perf_counter()
         device, rank, world_size, mesh = launch.setup_distributed(args, log_folder)
@@ -153,65 +183,78 @@ def main(argv):
             args, shape, tokenizer, world_size, rank, accumulation, device
         )
     except ConfigError as error:
-        options.report_config_error(error)
+        report_config_error(error)
     total_steps = args.max_steps if args.max_steps > 0 else args.num_epochs * epoch_steps
-    checkpointer = Checkpointer(args, shape, rank, world_size)
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    checkpointer = Checkpointer(args, shape, rank, world_size, n_params)
     resume_path = checkpointer.choose(args.resume_from)  # the newest usable checkpoint: checksums checked
     if launch.already_finished(args, resume_path, total_steps, run_dir, rank == 0):
         return launch.teardown(lock)
     if rank == 0:
         run_log.write_run_folder(args, log_folder)
-        run_log.print_start(args, shape, model_config, meta_model, device, total_steps)
+        print_start(args, shape, model_config, meta_model, device, total_steps)
 
     model = init_or_load(build_model(model_config, args, device, mesh), model_config, args)
     optimizer = build_optimizer(model, args, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args, total_steps))
     model_flops = flops_per_token(meta_model, model_config, args.seq_length)
-    layers = decoder_layers(model)
-    progress = run_log.Progress(
-        args, layers, model_flops, device, total_steps, start_time, log_folder, signals.requests
-    )
-    non_finite = stops.NonFiniteSteps(args.max_bad_steps, checkpointer.run_dir, rank == 0)
+    progress = Progress(args, model_flops, device, total_steps, start_time, log_folder)
+    benchmark_s = float(os.environ.get("BENCHMARK_SECONDS", 0))  # the job's benchmarks, before this launch
+    ledger = goodput.Ledger(log_folder, goodput.launch_start(), benchmark_s, rank == 0)
+    stragglers = StragglerWatch(decoder_layers(model), args, device, log_folder, stop_requests)
+    non_finite = stops.NonFiniteSteps(args.max_bad_steps, run_dir, rank == 0)
     if resume_path:
         progress.resume(checkpointer.load(resume_path, model, optimizer, scheduler, batches), resume_path)
 
     model.train()
     signals.start_training(rank)
-    watchdog = guard.Watchdog(args, log_folder, rank, device, mesh, progress.hung)
-    profiler = guard.StepProfiler(args.profile_steps, log_folder, device, rank == 0, total_steps)
-    timed_batches = progress.timed(batches)
+    watchdog = Watchdog(args, log_folder, rank, device, mesh, ledger.stalled)
+    profiler = StepProfiler(args.profile_steps, log_folder, device, rank == 0, total_steps)
+    timed_batches = stragglers.timed(batches)
     first_step, stopped = progress.step + 1, False
     for step in range(first_step, total_steps + 1):  # numbered as logged: the first step is 1
         with profiler.step(step), progress.timing():
             loss, grad_norm, stop = train_step(
-                model, timed_batches, optimizer, accumulation, args.grad_clip, signals.requests
+                model, timed_batches, optimizer, accumulation, args.grad_clip, stop_requests
             )
-        watchdog.step_done(timed=step > first_step)
-        if step == first_step:  # compiled and loaded: from now on a hung collective ends in minutes
-            guard.set_pg_timeouts(guard.PG_TIMEOUT, mesh)
+        watchdog.step_done(first=step == first_step)
+        if step == first_step:  # it compiled and loaded: its times say nothing of a rank's speed
+            stragglers.first_step_done()
         progress.step_done(step, loss, grad_norm, scheduler.get_last_lr()[0])
+        ledger.step_done(step, progress.step_seconds)
         non_finite.step_done(step, grad_norm)
         scheduler.step()
         val_loss = None
         if validation_batches and args.eval_every and (step % args.eval_every == 0 or step == total_steps):
-            with watchdog.phase("evaluating"), progress.spending("eval_s"):
+            with watchdog.phase("evaluating"), ledger.spending("eval_s"):
                 val_loss = evaluate(model, validation_batches(), args.eval_batches, world_size)
         if step % args.log_every == 0 or step == total_steps or val_loss is not None:
-            progress.log(val_loss)
-        stopped = stop and step < total_steps  # a signal at the last step changes nothing
-        if progress.checkpoint_due(step) or step == total_steps or stopped:
-            with watchdog.phase("writing a checkpoint"), progress.spending("checkpoint_s"):
+            checkpointer.schedule.choose(progress.mean_step_s)
+            progress.log(val_loss, stragglers.log_window(progress.timed_steps))
+            ledger.write()
+        stopped = stop and step < total_steps  # a stop asked for at the last step changes nothing
+        if checkpointer.due(step, last=step == total_steps or stopped):
+            with watchdog.phase("writing a checkpoint"), ledger.checkpoint(step):
                 checkpointer.save(progress.trainer_state(), model, optimizer, scheduler, batches)
         if stopped:
             break
 
-    with watchdog.phase("writing the last checkpoint and model"), progress.spending("checkpoint_s"):
+    with watchdog.phase("writing the last checkpoint and model"), ledger.spending("checkpoint_s"):
         checkpointer.finish()
         if not stopped:
             export.export_pretrained(model, meta_model, tokenizer, os.path.join(run_dir, "final_model"), rank)
-    progress.close(stopped)
+    progress.close(stopped, ledger)
     launch.teardown(lock)
-    return guard.STOPPED_BY_SIGNAL if stopped else 0
+    return stops.STOPPED_BY_SIGNAL if stopped else 0
+
+
+def complete_and_check(args):
+    """The options as main() settles them before anything is built: the model's shape, what the options leave
+    to the run filled in, and every check that needs no data. Returns the shape."""
+    shape = resolve_shape(args)
+    options.complete(args, shape, NAMES_THE_RUN)
+    options.validate(args, shape, parse_source(args)[0])
+    return shape
 
 
 def report_checked(log_folder):
@@ -222,11 +265,6 @@ def report_checked(log_folder):
     return 0
 
 
-def constants():
-    """The constants above, the options a user sets: name -> (default, type)."""
-    return {name: (globals()[name], hint) for name, hint in __annotations__.items() if not name.isupper()}
-
-
 # --------------------------------------------------------------------------------------------------------
 # Data: the global batch of step k is a function of k alone, so it is the same for any world size.
 # --------------------------------------------------------------------------------------------------------
@@ -235,14 +273,11 @@ DUMMY_PERIOD = 8  # each dummy sequence repeats a random block of this many toke
 
 
 def dummy_window(seq_length, vocab_size, seed, index):
-    return dummy_sample(index, seq_length, vocab_size, seed).numpy()
-
-
-def dummy_sample(index, seq_length, vocab_size, seed):
-    """seq_length + 1 tokens: a random block repeated, so a model can learn to copy and the loss falls."""
+    """Window index of dummy data, seq_length + 1 tokens: a random block repeated, so a model can learn to
+    copy and the loss falls."""
     generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
     block = torch.randint(0, vocab_size, (DUMMY_PERIOD,), generator=generator)
-    return block.repeat(seq_length // DUMMY_PERIOD + 1)[: seq_length + 1]
+    return block.repeat(seq_length // DUMMY_PERIOD + 1)[: seq_length + 1].numpy()
 
 
 HUB_SOURCES = {
@@ -310,19 +345,20 @@ def load_tokenizer(args):
 
 def prefetched(items, depth):
     """items produced up to depth ahead by a daemon thread, so reading and tokenising overlap the
-    training step; an error in the thread is raised here."""
-    ahead = queue.Queue(depth)
+    training step; an error in the thread is raised here, and a finite items ends here where it ends
+    (the training's sources never do: they start another epoch)."""
+    ahead, end = queue.Queue(depth), object()
 
     def produce():
         try:
             for item in items:
                 ahead.put(item)
+            ahead.put(end)
         except Exception as error:
             ahead.put(error)
 
     threading.Thread(target=produce, daemon=True).start()
-    while True:
-        item = ahead.get()
+    while (item := ahead.get()) is not end:
         if isinstance(item, Exception):
             raise item
         yield item
@@ -621,8 +657,9 @@ def imports_done():
 def rebuild_model(saved_options, saved_shape):
     """For --export_from: the model a checkpoint's trainer_state describes, on the meta device, and its
     tokenizer. The vocabulary is the one saved, whatever the tokenizer holds now."""
-    saved = options.parse_args([], constants())
-    vars(saved).update({k: v for k, v in saved_options.items() if k in constants()})
+    known = constants_of(sys.modules[__name__])
+    saved = parse_args([], known)
+    vars(saved).update({k: v for k, v in saved_options.items() if k in known})
     shape = resolve_shape(saved)
     vars(shape).update(saved_shape)
     tokenizer = load_tokenizer(saved)
@@ -719,7 +756,7 @@ def load_pretrained(model, name_or_path):
         except (
             pickle.UnpicklingError
         ) as error:  # the other ranks wait in the broadcast until torchrun ends them
-            options.fail(safe_load.refused_weights("--init_from", name_or_path, error))
+            fail(safe_load.refused_weights("--init_from", name_or_path, error))
     broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, weights, options=broadcast)
 
@@ -734,11 +771,14 @@ def precision_policy(args):
     )
 
 
-def unpacked_sequences(position_ids):
+def never_packed_sequences():
     """Every row of a batch is one window of a corpus, never several documents packed together. transformers
-    asks its data to find out, which costs a device-to-host sync per forward and, on fake tensors, a full
-    seq x seq mask that a real run never allocates."""
-    return None
+    asks each batch's position ids whether it is, at every forward: a device-to-host sync each time, and on
+    fake tensors a full seq x seq mask that a real run never allocates. It has no option to say so, so its
+    check is replaced, for the whole process, by one that answers none is."""
+    import transformers.masking_utils
+
+    transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
 
 
 # Op-level selective checkpointing (torchtitan's "op" mode) keeps these outputs of every block and recomputes
@@ -784,10 +824,8 @@ def checkpointed(index, args):
 def build_model(model_config, args, device, mesh):
     """The model wrapped for training, weights allocated but not yet initialised (init_weights or
     load_pretrained follow)."""
-    import transformers.masking_utils
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    transformers.masking_utils.find_packed_sequence_indices = unpacked_sequences
     model = build_meta_model(model_config)
     blocks = decoder_layers(model)
     for index, block in enumerate(blocks):
@@ -800,7 +838,8 @@ def build_model(model_config, args, device, mesh):
         model.to_empty(device=device)
         model.tie_weights()  # to_empty gave the tied modules a tensor each (fully_shard keeps them shared)
         init_rotary_embeddings(model, device)
-        # FSDP's mixed precision: bf16 compute, fp32 weights and gradient reduction.
+        # DDP has no precision policy: autocast computes in bf16, the weights and gradients stay fp32, so the
+        # all-reduce is fp32 as FSDP's reduction is.
         if args.mixed_precision == "bf16":
             model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
         return model
@@ -899,8 +938,8 @@ def train_step(model, batches, optimizer, accumulation, grad_clip, stop_requests
     forward, the loss and a backward, then clipping and the update, skipped when the gradient norm is not
     finite. Under FSDP each micro-step reduce-scatters its gradients (as torchtitan does): skipping that
     would keep a whole unsharded fp32 gradient alive between micro-steps. DDP all-reduces on the last one.
-    stop_requests is the list the signal handler appends to, read as late as possible. Returns the mean loss
-    (a device tensor), the gradient norm and whether any rank asked to stop."""
+    stop_requests (run/stops.py) is read as late as possible. Returns the mean loss (a device tensor), the
+    gradient norm and whether any rank asked to stop."""
     loss = 0.0
     for micro in range(accumulation):
         inputs, targets = next(batches)
@@ -910,7 +949,7 @@ def train_step(model, batches, optimizer, accumulation, grad_clip, stop_requests
             micro_loss.backward()
         loss += micro_loss.detach()
     grad_norm = clip_gradients(model.parameters(), grad_clip)
-    stop = torch.full((), float(len(stop_requests)), device=grad_norm.device)
+    stop = torch.full((), float(stop_requests.pending), device=grad_norm.device)
     dist.all_reduce(stop)  # any rank may get the signal; all stop at the same step
     grad_norm, stop = host_values(torch.stack([grad_norm, stop]))
     if math.isfinite(grad_norm):  # the norm is global, so every rank takes the same branch
@@ -941,4 +980,4 @@ if __name__ == "__main__":
         status = main(sys.argv[1:])
     except SystemExit as refusal:  # bad input or a refused run, said in one line
         status = refusal.code
-    launch.exit_at_once(status)
+    launch.exit_at_once(status)  # without the interpreter's teardown, which can abort here: see its docstring

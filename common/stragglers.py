@@ -4,7 +4,7 @@ The benchmark measures rates (higher is better) once, after warm-up, with nothin
 (GPU, node, pair of nodes) more than MARGIN below the median of its peers is named at once, by
 below_peers. Training measures times (lower is better) per log window, which data loading and the host's
 other work make noisy: slower_than_peers names a rank more than MARGIN above the median, by more than
-MARGIN of the whole step too, and only a streak of windows leaves its node out (run/guard.py,
+MARGIN of the whole step too, and only a streak of windows leaves its node out (run/stragglers.py,
 --exclude_stragglers_after).
 """
 

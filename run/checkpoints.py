@@ -22,7 +22,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from run.options import REWINDS, exit_after_the_speaker, fail
+from common.errors import exit_after_the_speaker, fail
+from run.checkpoint_schedule import CheckpointSchedule, benchmark_write_GBps
+from run.options import REWINDS
 from run.safe_load import UnsafeFile, load_file, load_sharded, metadata_problem
 
 MANIFEST = "manifest.json"
@@ -113,9 +115,14 @@ class Checkpointer:
     the rest is JSON and a small per-rank file of RNG states and data position. Loading unpickles nothing
     but plain data (run/safe_load.py)."""
 
-    def __init__(self, args, shape, rank, world_size):
+    def __init__(self, args, shape, rank, world_size, n_params):
         self.args, self.shape, self.rank, self.world_size = args, shape, rank, world_size
         self.run_dir = os.path.join(args.checkpoint_dir, args.run_name)
+        nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        write_GBps = benchmark_write_GBps() if args.checkpoint_every == "auto" else None
+        self.schedule = CheckpointSchedule(
+            args.checkpoint_every, n_params, nodes, args.node_mtbf_hours, write_GBps
+        )
         self.pending = None  # (future of (error, checksums), temporary folder, final folder) of an async save
         # Background saves talk over their own group so they never interleave with training collectives.
         self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
@@ -149,8 +156,14 @@ class Checkpointer:
             return save_error(error), None
         return self.checksums(temporary)
 
+    def due(self, step, last=False):
+        """Whether a save is due after step (last: the run's last step, or a stop was asked for)."""
+        return self.schedule.due(step, last)
+
     def save(self, trainer_state, model, optimizer, scheduler, batches):
-        """trainer_state: the step, tokens seen and time so far; the options and the shape are added."""
+        """trainer_state: the step, tokens seen and time so far; the options and the shape are added. The time
+        the save blocks training goes to the schedule."""
+        started = time.perf_counter()
         self.finish()
         step = trainer_state["step"]
         final = os.path.join(self.run_dir, f"step_{step}")
@@ -195,6 +208,7 @@ class Checkpointer:
             self.publish(temporary, final, (error, None) if error else self.checksums(temporary))
         elif problem := next(filter(None, self.gather(error)), None):
             self.abandon(temporary, problem)
+        self.schedule.saved(step, time.perf_counter() - started)
 
     def finish(self):
         """Waits for a background save and its checksums, then publishes it."""
@@ -370,6 +384,7 @@ class Checkpointer:
         with open(os.path.join(path, "trainer_state.json")) as f:
             trainer_state = json.load(f)
         self.refuse_another_run(path, trainer_state)
+        self.schedule.resumed(trainer_state["step"])
         full_file = os.path.join(path, "state_dict.pt")
         full = os.path.exists(full_file)
         if full:  # memory-mapped: the ranks of a node share one copy in the page cache

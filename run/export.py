@@ -9,8 +9,8 @@ import warnings
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from common.errors import ConfigError, exit_after_the_speaker, fail
 from run.checkpoints import checkpoint_problem, save_error, save_errors, space_left
-from run.options import ConfigError, exit_after_the_speaker, fail
 from run.safe_load import UnsafeFile, load_file, load_sharded
 
 

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from common.errors import ConfigError, exit_after_the_speaker, fail
 from common.node import available_memory_bytes, local_device
 from run.checkpoints import checkpoint_step
-from run.guard import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
-from run.options import ConfigError, exit_after_the_speaker, fail, launched_world_size
+from run.options import launched_world_size
+from run.watchdog import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
 
 
 def check_machine_holds(args, meta_model):

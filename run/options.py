@@ -1,9 +1,8 @@
-"""Options: the constants of train.py, then --config=FILE.yaml files, then --name=value flags, each value
-checked against its constant's type; and every check that needs no data, before any process group or model.
-Bad input is a ConfigError: one line per problem, exit status 2."""
+"""train.py's options, once parsed (common/options.py): what they leave to the run filled in (complete), and
+every check that needs no data, before any process group or model (validate). Bad input is a ConfigError:
+one line per problem, exit status 2."""
 
 import contextlib
-import difflib
 import hashlib
 import importlib.util
 import json
@@ -12,15 +11,11 @@ import os
 import re
 import sys
 import tempfile
-import types
 
 import torch
-import yaml
 
 from common.datasheet import datasheet
-
-# Re-exported: train.py, sample.py and run/ take the error style from here.
-from common.errors import ConfigError, exit_after_the_speaker, fail, report_config_error  # noqa: F401
+from common.errors import ConfigError
 
 CHOICES = {
     "sharding": ("full", "grad_op", "hybrid", "ddp"),
@@ -40,141 +35,24 @@ MAX_RUN_NAME = 200
 # A run folder's record of its rewinds (run/checkpoints.py): a --resume_from it names may be gone, pruned
 REWINDS = "rewinds.json"
 
-# Options that change how a run is operated but not what it computes: left out of the default run_name.
-# The run's length is among them, so that a larger max_steps continues the same run.
-OPERATIONAL = {
-    "run_name", "checkpoint_dir", "checkpoint_every", "keep_last", "async_checkpoint", "resume_from",
-    "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "dry_run", "data_cache",
-    "prepare_only", "eval_every", "eval_batches", "world_size", "gpus_per_node", "gpu", "hang_minimum_s",
-    "hang_factor", "checkpoint_limit_s", "eval_limit_s", "profile_steps", "max_steps", "num_epochs", "wandb",
-    "plot", "export_from", "check_only", "exclude_stragglers_after", "curves", "node_mtbf_hours",
-}  # fmt: skip
 
-
-def print_help(script, first_line="# Model: a preset"):
-    """The help is the script's docstring, then its constants block itself, with its comments."""
-    source = open(script.__file__).read()
-    constants = source[source.index(first_line) : source.index("\n# fmt: on")]
-    try:
-        print(f"{script.__doc__}\nOptions (--name=value):\n{constants}", flush=True)
-    except BrokenPipeError:  # `--help | head` has what it wanted; the flush at exit must not fail either
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
-
-
-def parse_args(argv, constants):
-    """constants: name -> (default, type), the options as train.py declares them. Each value type-checked
-    against its constant's type."""
-    hints = {name: hint for name, (_, hint) in constants.items()}
-    args = {name: default for name, (default, _) in constants.items()}
-    for path in [arg.removeprefix("--config=") for arg in argv if arg.startswith("--config=")]:
-        args.update(read_config_file(path, hints))
-    flags = [arg for arg in argv if not arg.startswith("--config=")]
-    for index, arg in enumerate(flags):
-        name, has_value, text = arg.removeprefix("--").partition("=")
-        if not arg.startswith("--") or not name:
-            raise ConfigError(f"unexpected argument {arg!r}: options are written --name=value")
-        following = flags[index + 1] if index + 1 < len(flags) else "--"
-        if not has_value and not following.startswith("--") and following.lower() not in BOOLEANS:
-            raise ConfigError(
-                f"{arg} {following}: write --{name}={following} (options are written --name=value)"
-            )
-        if name not in args:
-            raise ConfigError(f"unknown option --{name}{suggestion(name, args, '--')}")
-        args[name] = convert(name, text if has_value else "true", hints[name], "--")
-    return types.SimpleNamespace(**args)
-
-
-def suggestion(name, valid, prefix):
-    close = difflib.get_close_matches(name, valid, n=1)
-    return f"; did you mean {prefix}{close[0]}?" if close else f"; valid options: {', '.join(valid)}"
-
-
-class ConfigLoader(yaml.SafeLoader):
-    """YAML of name: value lines, read strictly: a key given twice is an error, not the last one silently, and
-    an alias (*name) is refused, so that no file can expand into gigabytes (a 'billion laughs')."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.events.AliasEvent):
-            event = self.peek_event()
-            raise yaml.MarkedYAMLError(problem=f"an alias (*{event.anchor}); write the value out",
-                                       problem_mark=event.start_mark)  # fmt: skip
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.MarkedYAMLError(problem=f"{key!r} is given twice (first on line {seen[key] + 1})",
-                                           problem_mark=key_node.start_mark)  # fmt: skip
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-def read_config_file(path, hints):
-    try:
-        with open(path) as file:
-            values = yaml.load(file, Loader=ConfigLoader) or {}
-    except (OSError, yaml.YAMLError) as error:
-        raise ConfigError(f"--config={path}: {quoted(' '.join(str(error).split()), 300)}") from None
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path}: expected a mapping of name: value, got {type(values).__name__}")
-    for name in values:
-        if name not in hints:
-            raise ConfigError(f"{path}: unknown key {name!r}{suggestion(str(name), hints, '')}")
-    return {name: convert(name, value, hints[name], f"{path}: ") for name, value in values.items()}
-
-
-BOOLEANS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0", "false", "no", "off"), False)
-
-
-def convert(name, value, hint, where):
-    """value: a flag's text, or a YAML value, typed already or text read the way a flag is. A union takes the
-    first of its types that reads the value (int | str: 500 is a number, auto a word)."""
-    kinds = [t for t in getattr(hint, "__args__", (hint,)) if t is not type(None)]
-    allows_none = type(None) in getattr(hint, "__args__", ())
-    if allows_none and (value is None or isinstance(value, str) and value.lower() == "none"):
-        return None
-    for kind in kinds:
-        converted = value
-        if isinstance(value, str) and kind is bool:
-            converted = BOOLEANS.get(value.lower(), value)
-        elif isinstance(value, str):
-            with contextlib.suppress(ValueError):
-                converted = kind(value)
-        if type(converted) is kind or kind is float and type(converted) is int:
-            if kind is not float or math.isfinite(converted):
-                return kind(converted)
-    names = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
-    expected = " or ".join(names[kind] for kind in kinds)
-    raise ConfigError(
-        f"{where}{name} expects {expected}{' or none' if allows_none else ''}, got {quoted(repr(value))}"
-    )
-
-
-def quoted(text, limit=80):
-    """What an error line quotes of a value: its start, and its length when it is longer."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
-
-
-def validate(args, resolve_shape, parse_source):
-    """Every check that needs no data, before any process group or model; fills in what the options
-    leave to the run (seq_length, precision, run_name). train.py's resolve_shape(args) gives the model's shape
-    (its shape constants named in shape.names), its parse_source(args) the kind of --data. Returns the shape,
-    or None for --plot and --export_from, which need no model."""
-    kind = parse_source(args)[0]  # checks --data
-    use_cache_if_hub_unreachable(args, kind)  # before any Hugging Face library is imported
-    if args.plot or args.export_from:
-        return None
-    shape = resolve_shape(args)
+def complete(args, shape, names_the_run):
+    """Fills in what the options leave to the run: the sequence length (the model's positions), the precision
+    (auto: bf16 on a GPU, and in a dry run, which simulates one) and the run's name, a digest of the options
+    that name it (train.py's NAMES_THE_RUN), so that a relaunch of the same run resumes it."""
     if args.seq_length is None:
         args.seq_length = shape.n_positions
-    # true and false: the values from before the option had a selective mode
-    mode = {"true": "full", "false": "none"}.get(args.activation_checkpointing.lower())
-    args.activation_checkpointing = mode or args.activation_checkpointing
-    if args.mixed_precision == "auto":  # a dry run simulates the GPU
+    if args.mixed_precision == "auto":
         args.mixed_precision = "bf16" if args.dry_run or torch.cuda.is_available() else "fp32"
+    if args.run_name is None:
+        identity = {name: getattr(args, name) for name in names_the_run}
+        digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+        args.run_name = f"{args.model}-{digest}"
+
+
+def validate(args, shape, data_kind):
+    """Every check that needs no data, before any process group or model. shape: train.py's resolve_shape
+    (its shape constants named in shape.names); data_kind: the kind of --data (train.py's parse_source)."""
     for name, choices in CHOICES.items():
         if getattr(args, name) not in choices:
             raise ConfigError(f"--{name}={getattr(args, name)} is not one of: {', '.join(choices)}")
@@ -182,7 +60,7 @@ def validate(args, resolve_shape, parse_source):
     check_combinations(args, shape)
     if args.init_from:
         check_weights("--init_from", args.init_from)
-    if args.prepare_only and kind not in ("hub", "local"):
+    if args.prepare_only and data_kind not in ("hub", "local"):
         raise ConfigError(f"--prepare_only prepares wikitext or a local path; --data={args.data} needs none")
     if args.data != "dummy":
         missing_folder("--tokenizer", args.tokenizer)
@@ -196,11 +74,6 @@ def validate(args, resolve_shape, parse_source):
         folders.append("data_cache")
     for name in folders:
         writable_folder(f"--{name}", getattr(args, name))
-    if args.run_name is None:
-        identity = {k: v for k, v in vars(args).items() if k not in OPERATIONAL}
-        digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-        args.run_name = f"{args.model}-{digest}"
-    return shape
 
 
 def check_ranges(args, shape):
@@ -444,33 +317,3 @@ def check_simulating_torch():
             "overstates the peak; run it with the pinned torch, which needs no GPU (bash setup.sh; "
             ".venv/bin/python train.py --dry_run)"
         )
-
-
-def hub_needed(args, data_kind):
-    """Whether the data, tokenizer or init_from model may have to come from the Hugging Face hub."""
-    tokenizer_from_hub = args.data != "dummy" and not os.path.isdir(args.tokenizer)
-    hub_data = data_kind in ("hub", "stream")
-    model_from_hub = bool(args.init_from) and not os.path.isdir(args.init_from)
-    return tokenizer_from_hub or hub_data or model_from_hub
-
-
-def use_cache_if_hub_unreachable(args, data_kind):
-    """One quick request to the hub; when it fails, offline mode: only cached files are used, and what is
-    missing fails at once instead of after huggingface_hub's retries (a minute for a tokenizer). Before any
-    Hugging Face library is imported: they read HF_HUB_OFFLINE once, at import."""
-    import urllib.request
-
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0") or not hub_needed(args, data_kind):
-        return
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=5).close()
-    except urllib.error.HTTPError:
-        pass  # reachable
-    except (OSError, ValueError) as error:
-        os.environ["HF_HUB_OFFLINE"] = "1"
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(
-                f"{endpoint} is unreachable ({getattr(error, 'reason', error)}): using cached files only",
-                flush=True,
-            )

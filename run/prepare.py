@@ -14,7 +14,7 @@ from datetime import timedelta
 import numpy as np
 import torch.distributed as dist
 
-from run.options import ConfigError
+from common.errors import ConfigError
 
 FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 

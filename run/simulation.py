@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from run.launch import device_mesh
 from run.options import gpu_memory_gb, launched_world_size
-from run.run_log import describe_model
+from run.progress import describe_model
+from run.stops import StopRequests
 
 
 @dataclasses.dataclass
@@ -78,12 +79,12 @@ def simulate_peak_memory(args, model_config, world_size, training):
             optimizer = training.build_optimizer(model, args, fused=True)
             tokens = torch.randint(0, model_config.vocab_size, (args.batch_size, args.seq_length))
             batches = itertools.repeat((tokens, tokens))
-            training.train_step(model, batches, optimizer, 1, args.grad_clip, [])
+            training.train_step(model, batches, optimizer, 1, args.grad_clip, StopRequests())
             tracker = FSDPMemTracker(model, optimizer)
             with tracker:
                 # The tracker takes a second forward of the root for a second iteration; a micro-step is not.
                 hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
-                training.train_step(model, batches, optimizer, accumulation, args.grad_clip, [])
+                training.train_step(model, batches, optimizer, accumulation, args.grad_clip, StopRequests())
                 hook.remove()
             snapshot = tracker.get_tracker_snapshot("peak")
     finally:

@@ -23,9 +23,9 @@ from conftest import (
     torchrun_command,
 )
 
+from common.errors import ConfigError
 from run import launch as run_launch
 from run import options
-from run.options import ConfigError
 
 # Sequences a quarter of TINY's: these runs are about checkpoints, not learning, and their steps cost half.
 RUN = [*TINY, "--seq_length=32", "--max_steps=30", "--run_name=exact", "--checkpoint_every=10"]

@@ -18,8 +18,9 @@ from conftest import (
 )
 
 import train as train_script
-from run import guard, simulation
 from run import launch as run_launch
+from run import simulation, stragglers
+from run.stops import StopRequests
 
 COMPILED = [*TINY, "--compile=True"]
 # Sized for a CPU without native bf16, where a bf16 matmul runs about 100x slower than fp32 (0.9 against 93
@@ -118,13 +119,13 @@ def test_compiled_block_has_no_graph_break_and_compiles_once(preset, monkeypatch
         mesh = run_launch.device_mesh(cfg, "cpu", 1, 1)
         model = train_script.build_model(config, cfg, torch.device("cpu"), mesh)
         train_script.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
-        guard.RankTimes(train_script.decoder_layers(model), torch.device("cpu"), compiled=True)
+        stragglers.RankTimes(train_script.decoder_layers(model), torch.device("cpu"), compiled=True)
         optimizer = train_script.build_optimizer(model, cfg, fused=False)
         tokens = torch.randint(0, config.vocab_size, (2, 33))
         batches = itertools.repeat((tokens[:, :-1], tokens[:, 1:]))
         compiled = []
         for _ in range(5):
-            train_script.train_step(model, batches, optimizer, 1, cfg.grad_clip, [])
+            train_script.train_step(model, batches, optimizer, 1, cfg.grad_clip, StopRequests())
             compiled.append((dict(counters["frames"]), dict(counters["stats"])))
     finally:
         dist.destroy_process_group()

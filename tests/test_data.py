@@ -477,3 +477,16 @@ def test_streaming_loader_resumes_on_exactly_the_next_batch(tmp_path, tokenizer_
         inputs, targets = next(resumed)
         assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
     assert not torch.equal(taken[-1][0], following[0][0])
+
+
+def test_prefetched_items_end_where_a_finite_source_ends_and_its_error_is_raised_here():
+    import train as train_script
+
+    assert list(train_script.prefetched(iter(range(5)), depth=2)) == [0, 1, 2, 3, 4]
+
+    def broken():
+        yield 1
+        raise ValueError("the source broke")
+
+    with pytest.raises(ValueError, match="the source broke"):
+        list(train_script.prefetched(broken(), depth=2))

@@ -15,6 +15,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from conftest import BLAMED, REPO, TINY, launch, read_metrics, torchrun_command,
 
 import train as train_script
 from common import stragglers
-from run import guard, heal
+from run import heal, watchdog
+from run.stragglers import Stragglers
 
 HOST = socket.gethostname()
 
@@ -38,7 +40,7 @@ def test_ranks_above_the_median_are_named_with_their_figure():
 
 
 def test_a_rank_named_three_windows_in_a_row_is_warned_once(capsys):
-    stragglers = guard.Stragglers(["n1:0", "n2:0"])
+    stragglers = Stragglers(["n1:0", "n2:0"])
     slow, even = [[10.0, 0.1], [20.0, 0.1]], [[10.0, 0.1], [10.0, 0.1]]
     for timings in (slow, slow, even, slow, slow):  # an even window breaks the streak
         record = stragglers.log_window(timings, steps=10)
@@ -53,9 +55,7 @@ def test_a_rank_named_three_windows_in_a_row_is_warned_once(capsys):
 
 def test_a_node_named_the_straggler_n_windows_in_a_row_is_excluded_once(capsys):
     excluded = []
-    stragglers = guard.Stragglers(
-        ["n1:0", "n2:0"], exclude_after=4, exclude=lambda *why: excluded.append(why)
-    )
+    stragglers = Stragglers(["n1:0", "n2:0"], exclude_after=4, exclude=lambda *why: excluded.append(why))
     slow = [[10.0, 0.1], [20.0, 0.1]]
     for _ in range(3):
         stragglers.log_window(slow, steps=10)
@@ -69,7 +69,7 @@ def test_a_node_named_the_straggler_n_windows_in_a_row_is_excluded_once(capsys):
 
 def test_flight_recorder_is_on_and_users_settings_win(tmp_path):
     environ = {}
-    guard.flight_recorder_env(environ, str(tmp_path))
+    watchdog.flight_recorder_env(environ, str(tmp_path))
     assert environ == {
         "TORCH_FR_BUFFER_SIZE": "20000",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
@@ -82,7 +82,7 @@ def test_flight_recorder_is_on_and_users_settings_win(tmp_path):
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/scratch/fr_",
     }
     environ = dict(users)
-    guard.flight_recorder_env(environ, str(tmp_path))
+    watchdog.flight_recorder_env(environ, str(tmp_path))
     assert environ == users
 
 
@@ -95,7 +95,7 @@ def test_process_group_timeouts_drop_after_the_first_step():
             store=dist.FileStore(store_file.name, 1),
             rank=0,
             world_size=1,
-            timeout=guard.PG_TIMEOUT_FIRST_STEP,
+            timeout=watchdog.PG_TIMEOUT_FIRST_STEP,
         )
         try:
             # hybrid's two groups
@@ -105,14 +105,15 @@ def test_process_group_timeouts_drop_after_the_first_step():
             def timeout(group):
                 return (group or dist.group.WORLD)._get_backend(torch.device("cpu")).options._timeout
 
-            guard.set_pg_timeouts(guard.PG_TIMEOUT, mesh)
-            assert [timeout(g) for g in groups] == [guard.PG_TIMEOUT] * 3
-            with guard.generous_pg_timeouts(mesh):  # a checkpoint being written
-                assert [timeout(g) for g in groups] == [guard.PG_TIMEOUT_FIRST_STEP] * 3
-            assert [timeout(g) for g in groups] == [guard.PG_TIMEOUT] * 3
+            watchdog.set_pg_timeouts(watchdog.PG_TIMEOUT, mesh)
+            assert [timeout(g) for g in groups] == [watchdog.PG_TIMEOUT] * 3
+            with watchdog.generous_pg_timeouts(mesh):  # a checkpoint being written
+                assert [timeout(g) for g in groups] == [watchdog.PG_TIMEOUT_FIRST_STEP] * 3
+            assert [timeout(g) for g in groups] == [watchdog.PG_TIMEOUT] * 3
         finally:
             dist.destroy_process_group()
-    assert guard.PG_TIMEOUT_FIRST_STEP > guard.PG_TIMEOUT > timedelta(seconds=train_script.hang_minimum_s)
+    hang_minimum = timedelta(seconds=train_script.hang_minimum_s)
+    assert watchdog.PG_TIMEOUT_FIRST_STEP > watchdog.PG_TIMEOUT > hang_minimum
 
 
 @pytest.mark.parametrize("value", ["5", "8,5", "a,b", "0,3"])
@@ -148,8 +149,8 @@ def test_profile_steps_past_the_run_warn_and_the_trace_ends_with_it(tmp_path):
 
 def throttle(pid, stop_event, stopped=0.09, running=0.01):
     """Slows a process as a throttling node would: cpulimit's way, stopped for a share of the time, and at
-    the lowest priority. On a busy machine this thread wakes late, the process runs free in the meantime and
-    some log windows did not name it (2 runs in 9 beside two busy loops); the priority slows it then."""
+    the lowest priority, which holds it back too while this thread waits to be scheduled on a busy
+    machine."""
     for thread in os.listdir(f"/proc/{pid}/task"):  # a nice value is each thread's own
         with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
             os.setpriority(os.PRIO_PROCESS, int(thread), 19)
@@ -161,27 +162,17 @@ def throttle(pid, stop_event, stopped=0.09, running=0.01):
             time.sleep(running)
 
 
-def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
-    """One 2-process run (each costs tens of seconds on a busy 2-core machine) in two acts.
-    1. From the first step, rank 1 is throttled (throttle()); taskset onto a core shared with a busy
-       process is not reliable on a shared 2-core machine: the scheduler moves other work off that core.
-       Every 2-step log window names it, never rank 0; the third in a row warns.
-    2. After step 8 rank 1 is stopped; rank 0 waits in a collective until its watchdog (limit
-       max(6 s, 4 x median step)) writes its stacks and ends the run.
-    Rank 0 also profiles steps 2 and 3."""
-    args = [
-        *TINY,
-        f"--log_dir={tmp_path}",
-        f"--checkpoint_dir={tmp_path}",
-        "--run_name=slow",
-        "--max_steps=60",
-        "--seq_length=64",
-        "--log_every=2",
-        "--checkpoint_every=3",
-        "--hang_minimum_s=6",
-        "--hang_factor=4",
-        "--profile_steps=2,3",
-    ]
+@pytest.fixture(scope="module")
+def slow_then_stopped(tmp_path_factory):
+    """One 2-process run in two acts, which the tests below read. From the first step rank 1 is throttled
+    (throttle(): pinning it to a core shared with a busy process does not hold on a shared machine, whose
+    scheduler moves other work off that core); log windows are 2 steps. After step 8 rank 1 is stopped, and
+    rank 0 waits in a collective until its watchdog (limit max(6 s, 4 x median step)) ends the run. Rank 0
+    also profiles steps 2 and 3."""
+    tmp_path = tmp_path_factory.mktemp("slow")
+    args = [*TINY, f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", "--run_name=slow",
+            "--max_steps=60", "--seq_length=64", "--log_every=2", "--checkpoint_every=3",
+            "--hang_minimum_s=6", "--hang_factor=4", "--profile_steps=2,3"]  # fmt: skip
     process = subprocess.Popen(
         torchrun_command("train.py", args, 2),
         cwd=REPO,
@@ -210,52 +201,81 @@ def test_a_slow_rank_is_named_then_a_stopped_one_ends_the_run(tmp_path):
     finally:
         done.set()
         process.kill()
-    log = "".join(output)
-    run = tmp_path / "slow"
+    return SimpleNamespace(
+        output=output, log="".join(output), folder=tmp_path, run=tmp_path / "slow",
+        returncode=process.returncode, stopped_at=stopped_at, reported_at=reported_at,
+    )  # fmt: skip
 
-    # The first window's one timed step, step 2, starts as the throttling does: it may name rank 1, or, by
-    # noise, either rank (CI saw rank 0 at 0.025 s vs a median of 0.023).
-    windows = [line for line in output if re.match(r"step +[468]/\d+ \|", line)]
-    named = all(f"| straggler {HOST}:1: compute" in line for line in windows)
-    assert len(windows) == 3 and named, log[-3000:]
-    assert f"{HOST}:0" not in "".join(output[output.index(windows[0]) :])
-    records = read_metrics(tmp_path)[1:]
-    assert [list(r["stragglers"]) for r in records] == [[f"{HOST}:1"]] * 3
-    assert all(r["stragglers"][f"{HOST}:1"]["compute_s"] > 1.1 * r["compute_s"] for r in records)
-    assert log.count(f"warning: {HOST}:1 has been a straggler for 3 log windows in a row") == 1
-    assert f"sbatch --exclude={HOST} slurm_submit.sh" in log
 
-    stack_file = run / f"stacks_{HOST}_rank0.txt"
+def watchdog_line(slow_then_stopped):
     line = r"^no step for (\d+) s on (\S+) rank 0; stacks in (\S+) \(limit (\d+) s\)"
     line += r"; waiting for (\S+) \((.*)\)$"
-    report = re.search(line, log, re.M)
-    assert report and report[2] == HOST and report[3] == str(stack_file), log[-3000:]
-    assert report[5] == HOST and re.fullmatch(BLAMED.format(rank=1), report[6]), report[0]
-    limit = int(report[4])
-    # the line waits for the stopped rank's heartbeat to fall silent, which names it
+    report = re.search(line, slow_then_stopped.log, re.M)
+    assert report, slow_then_stopped.log[-3000:]
+    return report
+
+
+def test_a_throttled_rank_is_named_the_straggler_in_every_log_window(slow_then_stopped):
+    # The first window's one timed step, step 2, starts as the throttling does: it may name either rank.
+    output = slow_then_stopped.output
+    windows = [line for line in output if re.match(r"step +[468]/\d+ \|", line)]
+    named = all(f"| straggler {HOST}:1: compute" in line for line in windows)
+    assert len(windows) == 3 and named, slow_then_stopped.log[-3000:]
+    assert f"{HOST}:0" not in "".join(output[output.index(windows[0]) :])
+    records = read_metrics(slow_then_stopped.folder)[1:]
+    assert [list(r["stragglers"]) for r in records] == [[f"{HOST}:1"]] * 3
+    assert all(r["stragglers"][f"{HOST}:1"]["compute_s"] > 1.1 * r["compute_s"] for r in records)
+
+
+def test_a_straggler_three_windows_in_a_row_is_warned_of_once_with_the_command_that_leaves_it_out(
+    slow_then_stopped,
+):
     assert (
-        6 <= limit <= int(report[1])
-        and reported_at - stopped_at < limit + heal.SILENT_S + 2 * heal.HEARTBEAT_S
+        slow_then_stopped.log.count(f"warning: {HOST}:1 has been a straggler for 3 log windows in a row") == 1
     )
-    assert process.returncode != 0
-    # the goodput ledger counts the hang, from its last update (step 8's log window) to the watchdog's line
-    assert json.loads((run / "goodput.json").read_text())["stalled_s"] >= limit - 1
-    # The thread running main() waits in a collective.
-    threads = stack_file.read_text().split("\n\n")
+    assert f"sbatch --exclude={HOST} slurm_submit.sh" in slow_then_stopped.log
+
+
+def test_a_stopped_rank_ends_the_run_by_the_watchdog_naming_its_node_from_its_heartbeat(slow_then_stopped):
+    report = watchdog_line(slow_then_stopped)
+    assert report[2] == HOST and report[3] == str(slow_then_stopped.run / f"stacks_{HOST}_rank0.txt")
+    assert report[5] == HOST and re.fullmatch(BLAMED.format(rank=1), report[6]), report[0]
+    assert slow_then_stopped.returncode != 0
+
+
+def test_the_watchdog_ends_a_hang_within_its_limit_and_the_heartbeat_silence(slow_then_stopped):
+    report = watchdog_line(slow_then_stopped)
+    limit, waited = int(report[4]), slow_then_stopped.reported_at - slow_then_stopped.stopped_at
+    assert 6 <= limit <= int(report[1]) and waited < limit + heal.SILENT_S + 2 * heal.HEARTBEAT_S
+
+
+def test_the_goodput_ledger_counts_a_hang_as_stalled(slow_then_stopped):
+    """From the ledger's last update (step 8's log window) to the watchdog's line."""
+    limit = int(watchdog_line(slow_then_stopped)[4])
+    assert json.loads((slow_then_stopped.run / "goodput.json").read_text())["stalled_s"] >= limit - 1
+
+
+def test_the_stacks_of_a_hung_rank_show_its_training_thread_waiting_in_a_collective(slow_then_stopped):
+    threads = (slow_then_stopped.run / f"stacks_{HOST}_rank0.txt").read_text().split("\n\n")
     main_thread = next(t for t in threads if re.search(r'train\.py", line \d+ in main', t))
     waits = re.search(r"in (all_reduce|all_gather|wait\w*|barrier)", main_thread)
     assert "torch/distributed/" in main_thread and waits
-    assert sorted(p.name for p in run.glob("step_*")) == ["step_3", "step_6"]  # nothing half written
+
+
+def test_a_hung_run_leaves_its_complete_checkpoints_and_nothing_half_written(slow_then_stopped):
+    run = slow_then_stopped.run
+    assert sorted(p.name for p in run.glob("step_*")) == ["step_3", "step_6"]
     assert all((run / name / "trainer_state.json").exists() for name in ("step_3", "step_6"))
 
-    trace_file = run / f"trace_steps_2-3_{HOST}_rank0.pt.trace.json"
-    steps = {
-        e["name"]
-        for e in json.loads(trace_file.read_text())["traceEvents"]
-        if "train step" in e.get("name", "")
+
+def test_profile_steps_trace_the_steps_asked_for(slow_then_stopped):
+    trace_file = slow_then_stopped.run / f"trace_steps_2-3_{HOST}_rank0.pt.trace.json"
+    events = json.loads(trace_file.read_text())["traceEvents"]
+    assert {e["name"] for e in events if "train step" in e.get("name", "")} == {
+        "train step 2",
+        "train step 3",
     }
-    assert steps == {"train step 2", "train step 3"}
-    assert f"profile: steps 2 to 3 traced in {trace_file}" in log
+    assert f"profile: steps 2 to 3 traced in {trace_file}" in slow_then_stopped.log
 
 
 def test_a_stop_signal_before_training_ends_the_processes_the_rank_forked():
@@ -263,8 +283,8 @@ def test_a_stop_signal_before_training_ends_the_processes_the_rank_forked():
     and its children end too, rather than running on, ignoring SIGTERM with the handler they inherited."""
     script = (
         "import multiprocessing, time\n"
-        "from run import guard\n"
-        "guard.StopSignals()\n"
+        "from run import stops\n"
+        "stops.StopSignals(stops.StopRequests())\n"
         "worker = multiprocessing.get_context('fork').Process(target=time.sleep, args=(120,))\n"
         "worker.start()\n"
         "print(worker.pid, flush=True)\n"

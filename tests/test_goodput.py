@@ -2,7 +2,6 @@
 killed, stopped and relaunched; and the checkpoint interval of --checkpoint_every=auto."""
 
 import json
-import math
 import re
 import signal
 
@@ -52,22 +51,6 @@ def test_a_relaunch_counts_exactly_the_steps_it_lost(tmp_path, number):
     assert line.startswith(f"effective training time {100 * after['effective_training_time']:.1f}%: lost ")
     if number == signal.SIGKILL:
         assert "% to restarts" in line
-
-
-def test_young_daly_interval_as_computed_by_hand():
-    # a 30 s save, 6,335 h between failures of one node, 4 nodes: M = 5,701,500 s,
-    # T = sqrt(2 x 30 x 5,701,500) = 18,495.4 s, which is 9,248 steps of 2 s
-    interval = goodput.CheckpointInterval("auto", 1e9, 4, 6335.0, 1.0)
-    interval.saved(100, 30.0)
-    assert interval.choose(2.0) == (9248, True)
-    assert interval.choose(2.0) == (9248, False)
-    assert not interval.due(100 + 9247) and interval.due(100 + 9248)
-    # before any save: 1e9 parameters x 12 bytes at 1 GB/s = 12 s
-    assert goodput.CheckpointInterval("auto", 1e9, 4, 6335.0, 1.0).choose(2.0)[0] == round(
-        math.sqrt(2 * 12 * 5_701_500) / 2
-    )
-    fixed = goodput.CheckpointInterval(500, 1e9, 4, 6335.0, None)
-    assert fixed.due(1000) and not fixed.due(1001)
 
 
 def test_auto_interval_is_chosen_by_rank_0_and_followed_by_every_rank(tmp_path):

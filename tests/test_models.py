@@ -1,6 +1,7 @@
 import functools
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -200,7 +201,8 @@ def test_init_from_starts_at_the_saved_models_loss(train, tmp_path, tied, shardi
         "--seq_length=64",
         "--max_steps=1",
     )
-    batch = torch.stack([train_script.dummy_sample(i, 64, 300, train_script.seed) for i in range(8)])
+    windows = [train_script.dummy_window(64, 300, train_script.seed, i) for i in range(8)]
+    batch = torch.from_numpy(np.stack(windows))
     with torch.no_grad():
         logits = pretrained(input_ids=batch[:, :-1]).logits
     expected = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
@@ -279,9 +281,7 @@ def test_example_configs_pass_the_checks(name, monkeypatch, tmp_path):
     assert validated(cfg).n_positions >= cfg.seq_length
 
 
-@pytest.mark.parametrize(
-    "mode, wrapped", [("none", []), ("full", [0, 1, 2, 3]), ("selective", [1, 3]), ("true", [0, 1, 2, 3])]
-)
+@pytest.mark.parametrize("mode, wrapped", [("none", []), ("full", [0, 1, 2, 3]), ("selective", [1, 3])])
 def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped):
     import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper

@@ -25,7 +25,7 @@ from conftest import (
 )
 
 import train as train_script
-from run import guard
+from run import stops
 
 RUN = [*TINY, "--max_steps=6", "--run_name=life", "--checkpoint_every=100", "--curves=True"]
 
@@ -266,7 +266,7 @@ def test_a_stop_signal_exits_at_once_when_it_cannot_checkpoint(tmp_path, when):
         wait_for_catching(ranks[1], signal.SIGTERM)
         os.kill(ranks[1], signal.SIGTERM)
         if when == "inside a step":
-            time.sleep(guard.SAME_STOP_SECONDS + 1)  # sooner, it would count as the same stop
+            time.sleep(stops.SAME_STOP_SECONDS + 1)  # sooner, it would count as the same stop
             os.kill(ranks[1], signal.SIGTERM)
         started = time.monotonic()
         while Path(f"/proc/{ranks[1]}").exists() and time.monotonic() - started < 60:

@@ -6,7 +6,9 @@ import sys
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, assert_ran, read_metrics, run_training, together
+from conftest import TINY, assert_ran, parse_options, read_metrics, run_training, together, validated
+
+from common.options import constants_of
 
 # The runs these tests compare share their first steps: warm-up lasts 10 steps, and a step's learning rate
 # before then does not depend on max_steps. So the first steps of the 60-step run are the 3- and 5-step
@@ -25,7 +27,7 @@ def runs(tmp_path_factory):
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
-            args = [*TINY, "--max_steps=5", "--activation_checkpointing=True"]
+            args = [*TINY, "--max_steps=5", "--activation_checkpointing=full"]
             taken_port = {"MASTER_PORT": str(taken.getsockname()[1])}
             return run_training(one, *args, nproc=0, env=taken_port, expect_ok=False)
 
@@ -201,6 +203,29 @@ def test_help_lists_every_option_with_its_default_and_comment(capsys):
     out = capsys.readouterr().out
     assert "global_batch_size: int = 256        # sequences per optimizer step" in out
     assert all(f"\n{name}:" in out for name in ("model", "data", "sharding", "checkpoint_every", "dry_run"))
+
+
+def test_every_option_either_names_the_run_or_only_operates_it():
+    """A new option in neither list would be left out of the default run name, or put in it, by accident:
+    a relaunch would then start a new run, or resume one that computes something else."""
+    import train as train_script
+
+    names_it, operates_it = set(train_script.NAMES_THE_RUN), set(train_script.OPERATES_THE_RUN)
+    assert names_it.isdisjoint(operates_it)
+    assert names_it | operates_it == set(constants_of(train_script))
+
+
+def test_the_run_name_follows_what_the_run_computes_and_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the checks create the log and checkpoint folders
+    base = ["--model=tiny", "--max_steps=10"]
+
+    def run_name(*argv):
+        args = parse_options([*base, *argv])
+        validated(args)
+        return args.run_name
+
+    assert run_name("--max_steps=20", "--log_every=3", "--checkpoint_every=auto") == run_name()
+    assert run_name("--lr=1e-3") != run_name() != run_name("--seed=7")
 
 
 def test_help_into_a_closed_pipe_is_quiet(monkeypatch):

@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train  # noqa: E402
-from run import checkpoints, options  # noqa: E402
+from common.options import constants_of, parse_args  # noqa: E402
+from run import checkpoints  # noqa: E402
 
 
 def disk_write_gbps(folder, n_bytes, chunk=64 << 20):
@@ -61,18 +62,18 @@ def main():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = options.parse_args(
+    cfg = parse_args(
         [
             f"--model={args.model}",
             "--compile=False",
-            "--activation_checkpointing=False",
+            "--activation_checkpointing=none",
             f"--checkpoint_dir={args.dir}",
             "--run_name=bench",
             "--keep_last=0",
         ],
-        train.constants(),
+        constants_of(train),
     )
-    shape = options.validate(cfg, train.resolve_shape, train.parse_source)
+    shape = train.complete_and_check(cfg)
     config = train.build_model_config(shape)
     device = torch.device("cpu")
     model = train.build_model(config, cfg, device, init_device_mesh("cpu", (1,)))

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402  (a script of this repo, beside which this one runs)
-from run import options  # noqa: E402
+from common.options import constants_of, parse_args  # noqa: E402
+from run.stops import StopRequests  # noqa: E402
 
 # The shape a user compares against nanoGPT's train.py: 6 layers, 384 wide, 6 heads, GPT-2's vocabulary.
 ISSUE_SHAPE = ["--model=gpt2", "--n_layer=6", "--n_embd=384", "--n_head=6", "--seq_length=256"]
@@ -69,8 +70,8 @@ def train_options(bench):
         f"--compile={bench.compile}",
         "--data=dummy",
     ]
-    args = options.parse_args(argv, train.constants())
-    options.validate(args, train.resolve_shape, train.parse_source)  # fills in what train.py's would
+    args = parse_args(argv, constants_of(train))
+    train.complete_and_check(args)  # fills in what train.py's would
     return args
 
 
@@ -94,10 +95,11 @@ def model_config_of(args, attention):
 
 def train_path(args, model_config, device, mesh):
     """train.py's step over its own model: returns one step as a function."""
+    train.never_packed_sequences()
     model = train.build_model(model_config, args, device, mesh)
     model = train.init_or_load(model, model_config, args)
     optimizer = train.build_optimizer(model, args, fused=device.type == "cuda")
-    stop_requests = []
+    stop_requests = StopRequests()
 
     def step(batch):
         return train.train_step(model, iter([batch]), optimizer, 1, args.grad_clip, stop_requests)[0]
