@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 
+from checks.verdicts import check, name_nodes, unit_of
 from common.files import write_atomically
 
 HISTORY_FILE = "benchmark_history.jsonl"
@@ -34,18 +35,26 @@ def host_of(report, label):
 
 def entries(report):
     """The report's figures as history entries: {"node", "gpu" (index or None), "figure", "value"}."""
-    members = []  # (node label, gpu index, section, figures)
+    return [entry for _, entry in labelled_entries(report)]
+
+
+def labelled_entries(report):
+    """(the member as the report labels it, its history entry) for each of the report's figures."""
+    members = []  # (member, node label, gpu index, section, figures)
     for label, gpu in (report.get("gpu") or {}).items():
         if isinstance(gpu, dict) and "/gpu" in label:
             node, index = label.rsplit("/gpu", 1)
-            members.append((node, int(index), "gpu", gpu))
+            members.append((label, node, int(index), "gpu", gpu))
     for section in ("storage", "cpu", "memory"):
         for label, figures in (report.get(section) or {}).items():
             if label in report.get("nodes", {}) and isinstance(figures, dict):
-                members.append((label, None, section, figures))
+                members.append((label, label, None, section, figures))
     return [
-        {"node": host_of(report, label), "gpu": gpu, "figure": f"{section} {key}", "value": figures[key]}
-        for label, gpu, section, figures in members
+        (
+            member,
+            {"node": host_of(report, node), "gpu": gpu, "figure": f"{section} {key}", "value": figures[key]},
+        )
+        for member, node, gpu, section, figures in members
         for key in TRACKED[section]
         if isinstance(figures.get(key), (int, float))
     ]
@@ -91,7 +100,7 @@ def history_checks(report, history):
     when no node has a history yet."""
     usual = usual_values(history, report.get("job", {}).get("mode"))
     drops, compared = [], 0
-    for entry in entries(report):
+    for member, entry in labelled_entries(report):
         before = usual.get((entry["node"], entry["gpu"], entry["figure"]))
         if before is None or before <= 0:
             continue
@@ -100,18 +109,26 @@ def history_checks(report, history):
         if entry["value"] < (1 - drop) * before:
             where = describe(entry["node"], entry["gpu"])
             change = 100 * (entry["value"] / before - 1)
-            drops.append({
-                "status": "warn", "check": f"history {where} {entry['figure']}",
-                "value": f"{entry['value']:.4g}, usually {before:.4g} ({change:+.0f}%)",
-                "reference": f">= {100 * (1 - drop):.0f}% of its last {HISTORY_RUNS} runs' median",
-            })  # fmt: skip
+            value = f"{entry['value']:.4g}, usually {before:.4g} ({change:+.0f}%)"
+            drops.append(
+                check(
+                    "warn",
+                    f"history {where} {entry['figure']}",
+                    value,
+                    f">= {100 * (1 - drop):.0f}% of its last {HISTORY_RUNS} runs' median",
+                    measured=entry["value"],
+                    floor=(1 - drop) * before,
+                    unit=unit_of(entry["figure"]),
+                    flagged={member: value},
+                )
+            )
     if drops:
         return drops
     status, value = (
         ("pass", f"{compared} figures near their usual") if compared else ("skip", "no history yet")
     )
     limits = ", ".join(f"{section} {drop:.0%}" for section, drop in HISTORY_DROP.items())
-    return [{"status": status, "check": "history", "value": value, "reference": f"drops within {limits}"}]
+    return [check(status, "history", value, f"drops within {limits}")]
 
 
 def append(path, report, history):
@@ -148,6 +165,7 @@ def judge_against_history(report, history):
     """Adds the history's checks to the report. A drop makes a passing verdict a warning, and never fails the
     job, --fail_on_warn included: the absolute floors decide that."""
     checks = history_checks(report, history)
+    name_nodes(checks, report)
     order = {"fail": 0, "warn": 1, "pass": 2, "skip": 3}
     report["checks"] = sorted(report["checks"] + checks, key=lambda c: order[c["status"]])
     if report["verdict"] == "pass" and any(c["status"] == "warn" for c in checks):

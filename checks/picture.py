@@ -1,12 +1,13 @@
 """The report's picture, <report>.png beside the YAML: what an operator looks at first to see which node or
-GPU stands out. Drawn from the report alone (its figures and its checks' floors), in the shapes people know:
+GPU stands out. Drawn from the report (its figures and its checks' fields: floors, flagged members) and the
+datasheet (common/datasheet.py), in the shapes people know:
 - per GPU, sustained bf16 matmul TFLOP/s and HBM copy GB/s, grouped by node, with the datasheet and the floor;
 - per collective, busbw against message size (nccl-tests' busbw), a line per scope, with the floor;
-- per node, storage, CPU and host memory, the flagged stragglers in another colour;
+- per node, storage, CPU and host memory, what a check flagged (a straggler, a node under the storage
+  floor) in another colour;
 - the verdict in the title. What a report skipped (no GPU, one node) is said in its panel."""
 
 import os
-import re
 
 import matplotlib
 
@@ -14,12 +15,10 @@ matplotlib.use("Agg")  # no display on a compute node
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from checks.verdicts import flagged_names  # noqa: E402
+from checks.verdicts import DATASHEET_CHECKS  # noqa: E402
+from common.datasheet import datasheet  # noqa: E402
 
-GPU_FIGURES = (
-    ("matmul_bf16_TFLOPS", "matmul_bf16", "bf16 matmul, TFLOP/s"),
-    ("copy_GB/s", "copy", "HBM copy, GB/s"),
-)
+GPU_FIGURES = (("matmul_bf16_TFLOPS", "bf16 matmul, TFLOP/s"), ("copy_GB/s", "HBM copy, GB/s"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 NODE_FIGURES = (
     ("storage", "parallel_write_GB/s", "storage write, GB/s"),
@@ -35,17 +34,58 @@ def check_named(report, name):
     return next((c for c in report.get("checks") or [] if c["check"] == name), None)
 
 
-def flagged(report, name):
-    """The members a check flagged: its value ends '; flagged a, b'."""
-    found = check_named(report, name)
-    return flagged_names(found["value"]) if found else set()
+def flagged(report, *names):
+    """The members that the named checks flagged."""
+    return {member for c in report.get("checks") or [] if c["check"] in names for member in c["flagged"]}
 
 
 def floor_of(report, name):
-    """The number after '>= ' in a check's reference, or None."""
+    """The least that passes the named check, in its figure's unit, or None."""
     found = check_named(report, name)
-    number = re.match(r">= ([\d.e+-]+)", str(found["reference"])) if found else None
-    return float(number.group(1)) if number else None
+    return found["floor"] if found else None
+
+
+def bar_panel(title, values, flagged_members, floors=(), peaks=(), why="not measured"):
+    """A panel of bars, one per member: {"title", "values": {member: figure}, "flagged": members drawn in the
+    flagged colour, "floors" and "peaks" (the datasheet's) as lines, "why" a panel without figures is
+    empty}."""
+    return {"title": title, "values": values, "flagged": set(flagged_members) & set(values),
+            "floors": sorted(set(floors)), "peaks": sorted(set(peaks)), "why": why}  # fmt: skip
+
+
+def gpu_bar_panels(report):
+    """Per GPU: sustained bf16 matmul and HBM copy, with the datasheet's peak (common/datasheet.py) and the
+    floor the datasheet check applies to it."""
+    gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
+    panels = []
+    for key, title in GPU_FIGURES:
+        values = {name: g[key] for name, g in gpus.items() if isinstance(g.get(key), (int, float))}
+        known = [datasheet(g["name"]) for name, g in gpus.items() if name in values and datasheet(g["name"])]
+        peaks = [sheet[DATASHEET_CHECKS[key]] for sheet in known if sheet[DATASHEET_CHECKS[key]]]
+        percent = floor_of(report, f"gpu {key} vs datasheet")
+        floors = [peak * percent / 100 for peak in peaks] if percent else []
+        members = flagged(report, f"gpu {key}", f"gpu {key} vs datasheet")
+        panels.append(
+            bar_panel(title, values, members, floors, peaks, report["gpu"].get("skipped", "not measured"))
+        )
+    return panels
+
+
+def node_bar_panels(report):
+    """Per node: storage, CPU and host memory; flagged by their stragglers' checks and the storage floor."""
+    panels = []
+    for section, key, title in NODE_FIGURES:
+        figures = report.get(section) or {}
+        nodes = {name: f for name, f in figures.items() if name != "aggregate" and isinstance(f, dict)}
+        values = {name: f[key] for name, f in nodes.items() if isinstance(f.get(key), (int, float))}
+        floor = floor_of(report, f"{section} {key}")
+        members = flagged(report, f"node {section} {key}", f"{section} {key}")
+        panels.append(
+            bar_panel(
+                title, values, members, [floor] if floor else [], (), figures.get("skipped", "not measured")
+            )
+        )
+    return panels
 
 
 def skipped(axis, title, why):
@@ -55,37 +95,22 @@ def skipped(axis, title, why):
     axis.set_yticks([])
 
 
-def bars(axis, title, values, flagged_names, floor=None, datasheet=None):
-    """One bar per member, flagged ones in another colour; the floor and the datasheet as lines."""
-    names = list(values)
-    colours = [FLAGGED if name in flagged_names else NORMAL for name in names]
-    axis.bar(range(len(names)), [values[name] for name in names], color=colours)
+def bars(axis, panel):
+    """One bar per member, flagged ones in another colour; the floors and the datasheet peaks as lines."""
+    if not panel["values"]:
+        skipped(axis, panel["title"], panel["why"])
+        return
+    names = list(panel["values"])
+    colours = [FLAGGED if name in panel["flagged"] else NORMAL for name in names]
+    axis.bar(range(len(names)), [panel["values"][name] for name in names], color=colours)
     axis.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
-    axis.set_title(title)
-    if floor:
+    axis.set_title(panel["title"])
+    for floor in panel["floors"]:
         axis.axhline(floor, color=FLOOR, linestyle="--", linewidth=1, label=f"floor {floor:.4g}")
-    if datasheet:
-        axis.axhline(
-            datasheet, color=DATASHEET, linestyle=":", linewidth=1, label=f"datasheet {datasheet:.4g}"
-        )
-    if floor or datasheet:
+    for peak in panel["peaks"]:
+        axis.axhline(peak, color=DATASHEET, linestyle=":", linewidth=1, label=f"datasheet {peak:.4g}")
+    if panel["floors"] or panel["peaks"]:
         axis.legend(fontsize=7, loc="lower right")
-
-
-def gpu_panels(report, axes):
-    gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
-    for axis, (key, short, title) in zip(axes, GPU_FIGURES):
-        values = {name: g[key] for name, g in gpus.items() if isinstance(g.get(key), (int, float))}
-        if not values:
-            skipped(axis, title, report["gpu"].get("skipped", "not measured"))
-            continue
-        percent = [g.get(f"{short}_percent_of_datasheet") for g in gpus.values()]
-        first = next((i for i, p in enumerate(percent) if p), None)
-        peak = list(values.values())[first] * 100 / percent[first] if first is not None else None
-        minimum = floor_of(report, f"gpu {key} vs datasheet")  # '>= 50% of datasheet'
-        floor = peak * minimum / 100 if peak and minimum else None
-        bars(axis, title, values, flagged(report, f"gpu {key}") | flagged(report, f"gpu {key} vs datasheet"),
-             floor, peak)  # fmt: skip
 
 
 def sweeps(report):
@@ -129,18 +154,6 @@ def size_label(size, _):
     return f"{size:g} B"
 
 
-def node_panels(report, axes):
-    for axis, (section, key, title) in zip(axes, NODE_FIGURES):
-        figures = report.get(section) or {}
-        nodes = {name: f for name, f in figures.items() if name != "aggregate" and isinstance(f, dict)}
-        values = {name: f[key] for name, f in nodes.items() if isinstance(f.get(key), (int, float))}
-        if not values:
-            skipped(axis, title, figures.get("skipped", "not measured"))
-            continue
-        floor = floor_of(report, f"{section} {key}") if key == "parallel_write_GB/s" else None
-        bars(axis, title, values, flagged(report, f"node {section} {key}"), floor)
-
-
 def draw(report, path):
     """Writes the picture to path (under a temporary name, then renamed); returns its panels' titles."""
     figure = plt.figure(figsize=(16, 12), layout="constrained")
@@ -148,9 +161,11 @@ def draw(report, path):
     gpu_axes = rows[0].subplots(1, len(GPU_FIGURES))
     collective_axes = rows[1].subplots(1, len(COLLECTIVES))
     node_axes = rows[2].subplots(1, len(NODE_FIGURES))
-    gpu_panels(report, gpu_axes)
+    for axis, panel in zip(gpu_axes, gpu_bar_panels(report)):
+        bars(axis, panel)
     collective_panels(report, collective_axes)
-    node_panels(report, node_axes)
+    for axis, panel in zip(node_axes, node_bar_panels(report)):
+        bars(axis, panel)
     for row, name in zip(rows, ("GPUs", "collectives", "nodes")):
         row.suptitle(name, fontsize=10, x=0.01, ha="left")
     job, world = report.get("job", {}), report.get("world", {})

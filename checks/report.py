@@ -139,6 +139,7 @@ def cluster_report(everyone: list, world: World, job: dict, cfg: dict) -> dict:
         "memory": per_node("memory"),
         "nodes": {
             label[r["node_rank"]]: {
+                "node_name": r["node_name"],
                 "hostname": r["hostname"],
                 "first_rank": r["rank"],
                 "nics_Gbps": r["nics_Gbps"],

@@ -9,7 +9,7 @@ from conftest import launch
 from matplotlib.image import imread
 from test_benchmark import cluster, statuses
 
-from checks import history, picture
+from checks import history, picture, verdicts
 
 QUICK = ["--quick", "--skip=storage"]  # the storage figures are the noisiest of a shared 2-core machine
 
@@ -39,6 +39,14 @@ def test_the_picture_draws_every_panel_of_a_gpu_cluster(tmp_path):
     report["verdict"], report["world"] = "pass", {"nodes": 2, "ranks_per_node": 4, "device": "cuda"}
     titles = picture.draw(report, str(tmp_path / "gpus.png"))
     assert titles[:2] == ["bf16 matmul, TFLOP/s", "HBM copy, GB/s"]
+    # the H100's peaks from the datasheet, the floors at half of them
+    matmul, copy = picture.gpu_bar_panels(report)
+    assert (matmul["peaks"], matmul["floors"], copy["peaks"], copy["floors"]) == (
+        [989.4],
+        [494.7],
+        [3350.0],
+        [1675.0],
+    )
     assert titles[2:7] == [f"{op} busbw, GB/s" for op in picture.COLLECTIVES]
     assert imread(tmp_path / "gpus.png").shape == (960, 1280, 4)
 
@@ -98,3 +106,45 @@ def test_a_damaged_history_line_is_skipped_with_a_warning(tmp_path):
     table = launch("benchmark.py", ["--history", f"--report_dir={tmp_path}"], nproc=0)
     assert table.returncode == 0
     assert re.search(r"^\S+ +cpu all_core_ops/s +[\d.]+ [\d.]+ +[+-]\d+%$", table.stdout, re.M), table.stdout
+
+
+def test_a_node_failing_only_the_storage_floor_is_flagged_in_the_picture_and_blamed():
+    """node2's write is 7% below its peers' (no straggler) and under --min_storage_GBps: the storage floor
+    alone fails it, and the picture and the job both read that from the check's fields."""
+    report = cluster(n_nodes=3, gpus=2)
+    report["storage"]["node2 (h2)"]["parallel_write_GB/s"] = 2.8
+    report["checks"] = verdicts.verdict_checks(report, min_storage_GBps=2.9)
+    (failing,) = [c for c in report["checks"] if c["status"] == "fail"]
+    assert failing["check"] == "storage parallel_write_GB/s" and failing["flagged"] == {
+        "node2 (h2)": "2.8 GB/s"
+    }
+    assert (failing["measured"], failing["floor"], failing["unit"], failing["nodes"]) == (
+        2.8,
+        2.9,
+        "GB/s",
+        ["h2"],
+    )
+    assert list(verdicts.failed_nodes(report["checks"])) == ["h2"]
+    write = picture.node_bar_panels(report)[0]
+    assert write["title"] == "storage write, GB/s" and write["flagged"] == {"node2 (h2)"}
+    assert write["floors"] == [2.9]
+
+
+def test_a_real_node_under_the_storage_floor_is_flagged_in_the_picture_and_named_for_the_job(tmp_path):
+    """One real node whose write cannot reach --min_storage_GBps=1e6: with no peer it is no straggler, and
+    the floor alone names it."""
+    result = launch(
+        "benchmark.py",
+        ["--quick", "--only=storage", f"--storage_path={tmp_path}", "--min_storage_GBps=1e6",
+         f"--report_dir={tmp_path}", f"--suspects_folder={tmp_path / 'suspects'}"],
+        nproc=0,
+        env={"SLURMD_NODENAME": "n5"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    (path,) = [path for path in tmp_path.glob("benchmark_*.yaml") if "_rank" not in path.name]
+    report = yaml.safe_load(path.read_text())
+    assert [c["check"] for c in report["checks"] if c["status"] == "fail"] == ["storage parallel_write_GB/s"]
+    suspects = json.loads((tmp_path / "suspects" / "benchmark.json").read_text())["nodes"]
+    assert list(suspects) == ["n5"] and suspects["n5"].startswith("benchmark: storage parallel_write_GB/s: ")
+    write = picture.node_bar_panels(report)[0]
+    assert write["flagged"] == {"node0 (n5)"} and write["floors"] == [1e6]
