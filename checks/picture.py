@@ -7,6 +7,7 @@ datasheet (common/datasheet.py), in the shapes people know:
   floor) in another colour;
 - the verdict in the title. What a report skipped (no GPU, one node) is said in its panel."""
 
+import math
 import os
 
 import matplotlib
@@ -15,6 +16,7 @@ matplotlib.use("Agg")  # no display on a compute node
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
+from checks.terminal import printable  # noqa: E402
 from checks.verdicts import DATASHEET_CHECKS  # noqa: E402
 from common.datasheet import datasheet  # noqa: E402
 
@@ -28,6 +30,10 @@ NODE_FIGURES = (
 )
 VERDICT_COLOURS = {"pass": "tab:green", "warn": "tab:orange", "fail": "tab:red"}
 NORMAL, FLAGGED, FLOOR, DATASHEET = "tab:blue", "tab:red", "tab:red", "tab:gray"
+# Past this many bars or lines a panel cannot be read (and 300 nodes' GPUs took minutes to draw): it draws
+# the flagged members and the lowest ones, and says how many it hides.
+MAX_BARS, MAX_LINES = 24, 8
+LOG_SPREAD = 30  # a bar this many times below the tallest bar or line would vanish: a log scale
 
 
 def check_named(report, name):
@@ -45,12 +51,37 @@ def floor_of(report, name):
     return found["floor"] if found else None
 
 
-def bar_panel(title, values, flagged_members, floors=(), peaks=(), why="not measured"):
-    """A panel of bars, one per member: {"title", "values": {member: figure}, "flagged": members drawn in the
-    flagged colour, "floors" and "peaks" (the datasheet's) as lines, "why" a panel without figures is
-    empty}."""
-    return {"title": title, "values": values, "flagged": set(flagged_members) & set(values),
-            "floors": sorted(set(floors)), "peaks": sorted(set(peaks)), "why": why}  # fmt: skip
+def drawn_first(values, flagged_members, limit):
+    """The members a panel of more than limit draws: the flagged ones, then the lowest; and its note."""
+    ranked = sorted(values, key=lambda name: (name not in flagged_members, values[name]))
+    shown = set(ranked[:limit])
+    note = f"{len(values) - limit} of {len(values)} hidden (the flagged and the lowest drawn)"
+    return {name: value for name, value in values.items() if name in shown}, note
+
+
+def bar_panel(title, numbers, flagged_members, floors=(), peaks=(), why="not measured"):
+    """A panel of bars, one per member: {"title", "values": {member: figure} to draw, "flagged": those drawn
+    in the flagged colour, "floors" and "peaks" (the datasheet's) as lines, "log": a log scale, where a bar
+    would vanish beside a line or a bar far above it, "note": what is not drawn, "why": an empty panel's}."""
+    values = {name: value for name, value in numbers.items() if math.isfinite(value)}
+    not_numbers = [name for name in numbers if name not in values]
+    notes = [f"not a number: {', '.join(not_numbers)}"] if not_numbers else []
+    if len(values) > MAX_BARS:
+        values, note = drawn_first(values, set(flagged_members), MAX_BARS)
+        notes.append(note)
+    floors = sorted({floor for floor in floors if floor and math.isfinite(floor)})
+    peaks = sorted({peak for peak in peaks if peak and math.isfinite(peak)})
+    heights = [height for height in (*values.values(), *floors, *peaks) if height > 0]
+    return {
+        "title": title,
+        "values": values,
+        "flagged": set(flagged_members) & set(values),
+        "floors": floors,
+        "peaks": peaks,
+        "log": bool(heights) and max(heights) > LOG_SPREAD * min(heights),
+        "note": "; ".join(notes),
+        "why": "; ".join(notes) or why,
+    }
 
 
 def gpu_bar_panels(report):
@@ -95,6 +126,13 @@ def skipped(axis, title, why):
     axis.set_yticks([])
 
 
+def noted(axis, note):
+    """What a panel leaves out, in small print at its top, outside the layout (it may run past the panel)."""
+    if note:
+        axis.text(0.01, 0.99, note, transform=axis.transAxes, va="top", fontsize=6, color="gray", wrap=True)
+        axis.texts[-1].set_in_layout(False)
+
+
 def bars(axis, panel):
     """One bar per member, flagged ones in another colour; the floors and the datasheet peaks as lines."""
     if not panel["values"]:
@@ -103,8 +141,13 @@ def bars(axis, panel):
     names = list(panel["values"])
     colours = [FLAGGED if name in panel["flagged"] else NORMAL for name in names]
     axis.bar(range(len(names)), [panel["values"][name] for name in names], color=colours)
-    axis.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+    axis.set_xticks(
+        range(len(names)), [printable(name) for name in names], rotation=30, ha="right", fontsize=7
+    )
     axis.set_title(panel["title"])
+    if panel["log"]:
+        axis.set_yscale("log")
+    noted(axis, panel["note"])
     for floor in panel["floors"]:
         axis.axhline(floor, color=FLOOR, linestyle="--", linewidth=1, label=f"floor {floor:.4g}")
     for peak in panel["peaks"]:
@@ -125,26 +168,57 @@ def sweeps(report):
     return found
 
 
+def collective_lines(report):
+    """Per collective: {"lines": {scope: ([sizes], [busbw])}, "floors": {scope: GB/s}, "note", "why"}. A point
+    that is not a finite number is left out, and said; above MAX_LINES scopes, the nodes' own sweeps drawn
+    are those the floor check flagged, then the lowest at the largest size."""
+    found, panels = sweeps(report), {}
+    for op in COLLECTIVES:
+        lines, broken = {}, []
+        for scope, sweep in found.items():
+            rows = sweep[op] if isinstance(sweep.get(op), list) else []
+            points = [(row["size_bytes"], row["busbw_GB/s"]) for row in rows]
+            finite = [(size, busbw) for size, busbw in points if math.isfinite(busbw)]
+            if len(finite) < len(points):
+                broken.append(scope)
+            if finite:
+                lines[scope] = tuple(map(list, zip(*finite)))
+        notes = [f"not a number: {', '.join(broken)}"] if broken else []
+        nodes = {scope: line[1][-1] for scope, line in lines.items() if scope.endswith(" intra-node")}
+        if len(lines) > MAX_LINES:
+            flagged_nodes = {f"{member} intra-node" for member in flagged(report, f"intra-node {op} busbw")}
+            kept, note = drawn_first(nodes, flagged_nodes, MAX_LINES - (len(lines) - len(nodes)))
+            lines = {scope: line for scope, line in lines.items() if scope not in nodes or scope in kept}
+            notes.append(f"nodes' own lines: {note}")
+        floors = {scope: floor_of(report, f"{scope} {op} busbw") for scope in ("intra-node", "inter-node")}
+        panels[op] = {
+            "lines": lines,
+            "floors": {scope: floor for scope, floor in floors.items() if floor},
+            "note": "; ".join(notes),
+            "why": "; ".join(notes) or (report.get("nccl") or {}).get("skipped", "not measured"),
+        }
+    return panels
+
+
 def collective_panels(report, axes):
-    found = sweeps(report)
-    for axis, op in zip(axes, COLLECTIVES):
-        lines = {scope: sweep[op] for scope, sweep in found.items() if isinstance(sweep.get(op), list)}
-        if not lines:
-            skipped(axis, op, (report.get("nccl") or {}).get("skipped", "not measured"))
+    for axis, (op, panel) in zip(axes, collective_lines(report).items()):
+        if not panel["lines"]:
+            skipped(axis, op, panel["why"])
             continue
-        for scope, rows in lines.items():
-            axis.plot([r["size_bytes"] for r in rows], [r["busbw_GB/s"] for r in rows], marker="o",
-                      markersize=3, label=scope)  # fmt: skip
+        for scope, (sizes, busbw) in panel["lines"].items():
+            axis.plot(sizes, busbw, marker="o", markersize=3, label=printable(scope))
         for scope, style in (("intra-node", "--"), ("inter-node", ":")):
-            floor = floor_of(report, f"{scope} {op} busbw")
-            if floor:
-                axis.axhline(floor, color=FLOOR, linestyle=style, linewidth=1, label=f"{scope} floor")
+            if scope in panel["floors"]:
+                axis.axhline(
+                    panel["floors"][scope], color=FLOOR, linestyle=style, linewidth=1, label=f"{scope} floor"
+                )
         axis.set_xscale("log", base=2)
         axis.xaxis.set_major_formatter(FuncFormatter(size_label))
         axis.set_title(f"{op} busbw, GB/s")
         axis.set_xlabel("message size", fontsize=7)
         axis.tick_params(labelsize=7)
         axis.legend(fontsize=6)
+        noted(axis, panel["note"])
 
 
 def size_label(size, _):

@@ -5,6 +5,7 @@ and the same as fields for the table, the picture, the history and the job (chec
 verdict back out of its text.
 """
 
+import math
 import statistics
 
 from checks.timing import BUSBW_FACTORS, MiB
@@ -65,6 +66,11 @@ def flagged_text(flagged: dict) -> str:
     return f"; flagged {', '.join(flagged)}" if flagged else ""
 
 
+def under(value: float, floor: float) -> bool:
+    """Whether a figure fails its floor: below it, or not a finite number (a failed measurement)."""
+    return not (math.isfinite(value) and value >= floor)
+
+
 def unit_of(figure: str) -> str:
     return next(unit for unit in RATE_UNITS if figure.endswith(unit))
 
@@ -90,18 +96,24 @@ def straggler_checks(kind: str, members: dict, below: str = "fail") -> list:
         )
     checks = []
     for figure in figures:
-        values = {name: m[figure] for name, m in members.items() if isinstance(m.get(figure), (int, float))}
+        numbers = {name: m[figure] for name, m in members.items() if isinstance(m.get(figure), (int, float))}
+        values = {name: value for name, value in numbers.items() if math.isfinite(value)}
+        low = {name: f"{value}: not a number" for name, value in numbers.items() if name not in values}
+        if not values:  # never a pass: every measurement failed
+            text = f"no finite figure{flagged_text(low)}"
+            checks.append(check(below, f"{kind} {figure}", text, unit=unit_of(figure), flagged=low))
+            continue
         median = statistics.median(values.values())
         floor = (1 - stragglers.MARGIN) * median
-        low = {name: f"{values[name]:.4g}, median {median:.4g}" for name in stragglers.below_peers(values)}
-        slowest = min(values, key=values.get)
+        low |= {name: f"{values[name]:.4g}, median {median:.4g}" for name in stragglers.below_peers(values)}
+        slowest = min(numbers, key=lambda name: (name in values, values.get(name, 0)))
         checks.append(
             check(
                 below if low else "pass",
                 f"{kind} {figure}",
-                f"slowest {slowest}: {values[slowest]:.4g}{flagged_text(low)}",
+                f"slowest {slowest}: {numbers[slowest]:.4g}{flagged_text(low)}",
                 f"median {median:.4g}, flag below {floor:.4g}",
-                measured=values[slowest],
+                measured=numbers[slowest],
                 floor=floor,
                 unit=unit_of(figure),
                 flagged=low,
@@ -130,7 +142,7 @@ def gpu_checks(gpus: dict) -> list:
             low = {
                 name: f"{p:.0f}% of {known[name][1]:g}"
                 for name, p in percent.items()
-                if not p >= DATASHEET_MIN_PERCENT  # a NaN figure is a failed measurement
+                if under(p, DATASHEET_MIN_PERCENT)
             }
             worst = min(percent, key=lambda name: (name not in low, percent[name]))
             checks.append(
@@ -152,7 +164,7 @@ def gpu_checks(gpus: dict) -> list:
         if key.endswith("_throttle_ratio") and isinstance(value, (int, float))
     }
     if ratios:
-        low = [(name, loop) for (name, loop), ratio in ratios.items() if not ratio >= THROTTLE_MIN_RATIO]
+        low = [(name, loop) for (name, loop), ratio in ratios.items() if under(ratio, THROTTLE_MIN_RATIO)]
         worst = min(ratios, key=lambda member: (member not in low, ratios[member]))
         reasons = {}
         for name, loop in low:
@@ -242,7 +254,7 @@ def busbw_floor_checks(scope: str, sweeps: dict, floors: dict) -> list:
             low = {
                 name: f"{busbw:.4g} GB/s, floor {floor[op]:.4g}"
                 for name, (busbw, floor) in judged.items()
-                if not busbw >= floor[op]  # a NaN figure is a failed measurement
+                if under(busbw, floor[op])
             }
             worst = min(judged, key=lambda name: (name not in low, judged[name][0] / judged[name][1][op]))
             busbw, floor = judged[worst]
@@ -326,7 +338,7 @@ def storage_floor_checks(storage: dict, min_GBps: float) -> list:
     }
     if not nodes or not min_GBps:
         return []
-    low = {name: f"{value:.4g} GB/s" for name, value in nodes.items() if not value >= min_GBps}
+    low = {name: f"{value:.4g} GB/s" for name, value in nodes.items() if under(value, min_GBps)}
     worst = min(nodes, key=lambda name: (name not in low, nodes[name]))
     return [
         check(
