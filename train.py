@@ -156,7 +156,7 @@ def main(argv):
         options.report_config_error(error)
     total_steps = args.max_steps if args.max_steps > 0 else args.num_epochs * epoch_steps
     checkpointer = Checkpointer(args, shape, rank, world_size)
-    resume_path = checkpointer.choose(args.resume_from)  # the newest usable checkpoint: checksums checked
+    resume_path = checkpointer.choose(args.resume_from, meta_model)  # the newest usable checkpoint
     if launch.already_finished(args, resume_path, total_steps, run_dir, rank == 0):
         return launch.teardown(lock)
     if rank == 0:
