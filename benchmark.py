@@ -34,7 +34,6 @@ import socket
 import sys
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,7 +43,7 @@ from checks.collectives import links_section, nccl_section, nic_rates_Gbps
 from checks.gpu import gpu_section
 from checks.host import cpu_section, memory_section
 from checks.inputs import SIZE_OPTIONS, OneLineErrors, positive_number, section_list, validate
-from checks.report import cluster_report, history_folder, write_reports
+from checks.report import cluster_report, write_reports
 from checks.storage import storage_section
 from checks.verdicts import MIN_STORAGE_GBPS
 from checks.world import MODES, SECTIONS, World, start_world
@@ -76,6 +75,12 @@ def argument_parser():
     parser.add_argument(
         "--suspects_folder",
         help="write the nodes that fail a check to <this>/benchmark.json (slurm_submit.sh)",
+    )
+    parser.add_argument(
+        "--check_only",
+        action="store_true",
+        help="check the options and the folders they name, then exit: 0, or 2 with one line (the job does "
+        "this before it starts the benchmark on every node)",
     )
     parser.add_argument(
         "--outcome",
@@ -119,6 +124,7 @@ def parse_args(argv=None):
         "report": args.report,
         "suspects_folder": args.suspects_folder,
         "outcome": args.outcome,
+        "check_only": args.check_only,
         "nic_gbps": args.nic_gbps,
         "min_storage_GBps": args.min_storage_GBps,
         "fail_on_warn": args.fail_on_warn,
@@ -153,8 +159,10 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
+    if cfg["check_only"]:
+        return 0
     if cfg["history"]:
-        print(history.trend_table(history.read_history(Path(history_folder(cfg)) / history.HISTORY_FILE)))
+        print(history.trend_table(history.read_history(history.history_path(cfg))))
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # scancel: still remove the test files
     started = time.perf_counter()

@@ -20,6 +20,7 @@ from common.errors import ConfigError, fail
 from run.export import export_checkpoint
 from run.options import refuse_remote_code
 from run.safe_load import refused_weights
+from run.state_match import listed
 
 # --help prints these options verbatim from this file; fmt: off keeps their comments aligned
 # fmt: off
@@ -49,15 +50,17 @@ def parse_args(argv):
         raise ConfigError(
             "--num_samples, --max_new_tokens and --top_k must be positive, --temperature not negative"
         )
+    if not 0 <= cfg.seed < 2**64:  # what torch.manual_seed takes
+        raise ConfigError(f"--seed={cfg.seed} is out of range: give a whole number from 0 to {2**64 - 1}")
     return cfg
 
 
 def generate(cfg, folder):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     refuse_remote_code("--init_from", folder)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        model, report = load_model(folder)
     except pickle.UnpicklingError as error:
         raise ConfigError(refused_weights("--init_from", folder, error)) from None
     except (OSError, ValueError) as error:  # a broken config.json is a ValueError, missing weights an OSError
@@ -65,6 +68,7 @@ def generate(cfg, folder):
             f"--init_from={folder}: cannot load the model ({str(error).strip().splitlines()[0]}); it needs "
             f"the config.json and model.safetensors that training exports"
         ) from None
+    refuse_another_model(folder, report)
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
     if tokenizer is not None:
@@ -112,6 +116,45 @@ def generate(cfg, folder):
             )[0]
             print(tokenizer.decode(output) if tokenizer else " ".join(map(str, output.tolist())))
             print("---------------", flush=True)
+
+
+def load_model(folder):
+    """The model of an exported folder and transformers' report of how its weights matched its config.json.
+    transformers starts a tensor the weights lack from random values and stops at one of another shape with a
+    traceback; both are left to refuse_another_model, and its own report is not printed."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    verbosity = transformers_logging.get_verbosity()
+    transformers_logging.set_verbosity_error()
+    try:
+        model, report = AutoModelForCausalLM.from_pretrained(
+            folder, output_loading_info=True, ignore_mismatched_sizes=True
+        )
+    finally:
+        transformers_logging.set_verbosity(verbosity)
+    return model.eval(), report
+
+
+def refuse_another_model(folder, report):
+    """One line if the weights are not exactly those the config.json describes: the two are of different
+    models, and sampling would run a model partly made of random values."""
+    if missing := report["missing_keys"]:
+        difference = f"its weights lack tensors its config.json asks for: {listed(missing)}"
+    elif unexpected := report["unexpected_keys"]:
+        difference = f"its weights have tensors its config.json has no place for: {listed(unexpected)}"
+    elif mismatched := sorted(report["mismatched_keys"]):
+        name, saved, expected = mismatched[0]
+        difference = (
+            f"its weights hold {name} of shape {list(saved)}, and its config.json asks for {list(expected)}"
+        )
+    else:
+        return
+    raise ConfigError(
+        f"--init_from={folder}: {difference}; the two are of different models: give the config.json its "
+        f"weights were exported with"
+    )
 
 
 def main(argv):

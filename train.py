@@ -187,7 +187,7 @@ def main(argv):
     total_steps = args.max_steps if args.max_steps > 0 else args.num_epochs * epoch_steps
     n_params = sum(p.numel() for p in meta_model.parameters())
     checkpointer = Checkpointer(args, shape, rank, world_size, n_params)
-    resume_path = checkpointer.choose(args.resume_from)  # the newest usable checkpoint: checksums checked
+    resume_path = checkpointer.choose(args.resume_from, meta_model)  # the newest usable checkpoint
     if launch.already_finished(args, resume_path, total_steps, run_dir, rank == 0):
         return launch.teardown(lock)
     if rank == 0:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from checks.history import history_path
 from checks.host import l3_cache_bytes
 from checks.timing import MiB
 from checks.world import SECTIONS
@@ -83,6 +84,10 @@ def validate(cfg: dict, args, parser):
         check_report_path(Path(cfg["report"]), parser)
     else:
         check_folder("--report_dir", Path(cfg["report_dir"]), parser)
+    found = history_path(cfg)
+    if os.path.lexists(found) and not found.is_file():
+        option = "--report" if cfg["report"] else "--report_dir"
+        parser.error(f"{option}: the history beside the reports, {found}, is not a file; move it away")
     if cfg["outcome"]:
         refuse_existing("--outcome", Path(cfg["outcome"]), parser)
         check_folder("--outcome", Path(cfg["outcome"]).parent, parser)

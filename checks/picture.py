@@ -1,12 +1,14 @@
 """The report's picture, <report>.png beside the YAML: what an operator looks at first to see which node or
-GPU stands out. Drawn from the report alone (its figures and its checks' floors), in the shapes people know:
+GPU stands out. Drawn from the report (its figures and its checks' fields: floors, flagged members) and the
+datasheet (common/datasheet.py), in the shapes people know:
 - per GPU, sustained bf16 matmul TFLOP/s and HBM copy GB/s, grouped by node, with the datasheet and the floor;
 - per collective, busbw against message size (nccl-tests' busbw), a line per scope, with the floor;
-- per node, storage, CPU and host memory, the flagged stragglers in another colour;
+- per node, storage, CPU and host memory, what a check flagged (a straggler, a node under the storage
+  floor) in another colour;
 - the verdict in the title. What a report skipped (no GPU, one node) is said in its panel."""
 
+import math
 import os
-import re
 
 import matplotlib
 
@@ -14,12 +16,11 @@ matplotlib.use("Agg")  # no display on a compute node
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FuncFormatter  # noqa: E402
 
-from checks.verdicts import flagged_names  # noqa: E402
+from checks.terminal import printable  # noqa: E402
+from checks.verdicts import DATASHEET_CHECKS  # noqa: E402
+from common.datasheet import datasheet  # noqa: E402
 
-GPU_FIGURES = (
-    ("matmul_bf16_TFLOPS", "matmul_bf16", "bf16 matmul, TFLOP/s"),
-    ("copy_GB/s", "copy", "HBM copy, GB/s"),
-)
+GPU_FIGURES = (("matmul_bf16_TFLOPS", "bf16 matmul, TFLOP/s"), ("copy_GB/s", "HBM copy, GB/s"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 NODE_FIGURES = (
     ("storage", "parallel_write_GB/s", "storage write, GB/s"),
@@ -29,23 +30,93 @@ NODE_FIGURES = (
 )
 VERDICT_COLOURS = {"pass": "tab:green", "warn": "tab:orange", "fail": "tab:red"}
 NORMAL, FLAGGED, FLOOR, DATASHEET = "tab:blue", "tab:red", "tab:red", "tab:gray"
+# Past this many bars or lines a panel cannot be read (and 300 nodes' GPUs took minutes to draw): it draws
+# the flagged members and the lowest ones, and says how many it hides.
+MAX_BARS, MAX_LINES = 24, 8
+LOG_SPREAD = 30  # a bar this many times below the tallest bar or line would vanish: a log scale
 
 
 def check_named(report, name):
     return next((c for c in report.get("checks") or [] if c["check"] == name), None)
 
 
-def flagged(report, name):
-    """The members a check flagged: its value ends '; flagged a, b'."""
-    found = check_named(report, name)
-    return flagged_names(found["value"]) if found else set()
+def flagged(report, *names):
+    """The members that the named checks flagged."""
+    return {member for c in report.get("checks") or [] if c["check"] in names for member in c["flagged"]}
 
 
 def floor_of(report, name):
-    """The number after '>= ' in a check's reference, or None."""
+    """The least that passes the named check, in its figure's unit, or None."""
     found = check_named(report, name)
-    number = re.match(r">= ([\d.e+-]+)", str(found["reference"])) if found else None
-    return float(number.group(1)) if number else None
+    return found["floor"] if found else None
+
+
+def drawn_first(values, flagged_members, limit):
+    """The members a panel of more than limit draws: the flagged ones, then the lowest; and its note."""
+    ranked = sorted(values, key=lambda name: (name not in flagged_members, values[name]))
+    shown = set(ranked[:limit])
+    note = f"{len(values) - limit} of {len(values)} hidden (the flagged and the lowest drawn)"
+    return {name: value for name, value in values.items() if name in shown}, note
+
+
+def bar_panel(title, numbers, flagged_members, floors=(), peaks=(), why="not measured"):
+    """A panel of bars, one per member: {"title", "values": {member: figure} to draw, "flagged": those drawn
+    in the flagged colour, "floors" and "peaks" (the datasheet's) as lines, "log": a log scale, where a bar
+    would vanish beside a line or a bar far above it, "note": what is not drawn, "why": an empty panel's}."""
+    values = {name: value for name, value in numbers.items() if math.isfinite(value)}
+    not_numbers = [name for name in numbers if name not in values]
+    notes = [f"not a number: {', '.join(not_numbers)}"] if not_numbers else []
+    if len(values) > MAX_BARS:
+        values, note = drawn_first(values, set(flagged_members), MAX_BARS)
+        notes.append(note)
+    floors = sorted({floor for floor in floors if floor and math.isfinite(floor)})
+    peaks = sorted({peak for peak in peaks if peak and math.isfinite(peak)})
+    heights = [height for height in (*values.values(), *floors, *peaks) if height > 0]
+    return {
+        "title": title,
+        "values": values,
+        "flagged": set(flagged_members) & set(values),
+        "floors": floors,
+        "peaks": peaks,
+        "log": bool(heights) and max(heights) > LOG_SPREAD * min(heights),
+        "note": "; ".join(notes),
+        "why": "; ".join(notes) or why,
+    }
+
+
+def gpu_bar_panels(report):
+    """Per GPU: sustained bf16 matmul and HBM copy, with the datasheet's peak (common/datasheet.py) and the
+    floor the datasheet check applies to it."""
+    gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
+    panels = []
+    for key, title in GPU_FIGURES:
+        values = {name: g[key] for name, g in gpus.items() if isinstance(g.get(key), (int, float))}
+        known = [datasheet(g["name"]) for name, g in gpus.items() if name in values and datasheet(g["name"])]
+        peaks = [sheet[DATASHEET_CHECKS[key]] for sheet in known if sheet[DATASHEET_CHECKS[key]]]
+        percent = floor_of(report, f"gpu {key} vs datasheet")
+        floors = [peak * percent / 100 for peak in peaks] if percent else []
+        members = flagged(report, f"gpu {key}", f"gpu {key} vs datasheet")
+        panels.append(
+            bar_panel(title, values, members, floors, peaks, report["gpu"].get("skipped", "not measured"))
+        )
+    return panels
+
+
+def node_bar_panels(report):
+    """Per node: storage, CPU and host memory; flagged by their stragglers' checks and the storage floor."""
+    panels = []
+    for section, key, title in NODE_FIGURES:
+        figures = report.get(section) or {}
+        nodes = {name: f for name, f in figures.items() if name != "aggregate" and isinstance(f, dict)}
+        values = {name: f[key] for name, f in nodes.items() if isinstance(f.get(key), (int, float))}
+        floor = floor_of(report, f"{section} {key}")
+        members = flagged(report, f"node {section} {key}", f"{section} {key}")
+        panels.append(
+            bar_panel(
+                title, values, members, [floor] if floor else [], (), figures.get("skipped", "not measured")
+            )
+        )
+    return panels
 
 
 def skipped(axis, title, why):
@@ -55,37 +126,34 @@ def skipped(axis, title, why):
     axis.set_yticks([])
 
 
-def bars(axis, title, values, flagged_names, floor=None, datasheet=None):
-    """One bar per member, flagged ones in another colour; the floor and the datasheet as lines."""
-    names = list(values)
-    colours = [FLAGGED if name in flagged_names else NORMAL for name in names]
-    axis.bar(range(len(names)), [values[name] for name in names], color=colours)
-    axis.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
-    axis.set_title(title)
-    if floor:
+def noted(axis, note):
+    """What a panel leaves out, in small print at its top, outside the layout (it may run past the panel)."""
+    if note:
+        axis.text(0.01, 0.99, note, transform=axis.transAxes, va="top", fontsize=6, color="gray", wrap=True)
+        axis.texts[-1].set_in_layout(False)
+
+
+def bars(axis, panel):
+    """One bar per member, flagged ones in another colour; the floors and the datasheet peaks as lines."""
+    if not panel["values"]:
+        skipped(axis, panel["title"], panel["why"])
+        return
+    names = list(panel["values"])
+    colours = [FLAGGED if name in panel["flagged"] else NORMAL for name in names]
+    axis.bar(range(len(names)), [panel["values"][name] for name in names], color=colours)
+    axis.set_xticks(
+        range(len(names)), [printable(name) for name in names], rotation=30, ha="right", fontsize=7
+    )
+    axis.set_title(panel["title"])
+    if panel["log"]:
+        axis.set_yscale("log")
+    noted(axis, panel["note"])
+    for floor in panel["floors"]:
         axis.axhline(floor, color=FLOOR, linestyle="--", linewidth=1, label=f"floor {floor:.4g}")
-    if datasheet:
-        axis.axhline(
-            datasheet, color=DATASHEET, linestyle=":", linewidth=1, label=f"datasheet {datasheet:.4g}"
-        )
-    if floor or datasheet:
+    for peak in panel["peaks"]:
+        axis.axhline(peak, color=DATASHEET, linestyle=":", linewidth=1, label=f"datasheet {peak:.4g}")
+    if panel["floors"] or panel["peaks"]:
         axis.legend(fontsize=7, loc="lower right")
-
-
-def gpu_panels(report, axes):
-    gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
-    for axis, (key, short, title) in zip(axes, GPU_FIGURES):
-        values = {name: g[key] for name, g in gpus.items() if isinstance(g.get(key), (int, float))}
-        if not values:
-            skipped(axis, title, report["gpu"].get("skipped", "not measured"))
-            continue
-        percent = [g.get(f"{short}_percent_of_datasheet") for g in gpus.values()]
-        first = next((i for i, p in enumerate(percent) if p), None)
-        peak = list(values.values())[first] * 100 / percent[first] if first is not None else None
-        minimum = floor_of(report, f"gpu {key} vs datasheet")  # '>= 50% of datasheet'
-        floor = peak * minimum / 100 if peak and minimum else None
-        bars(axis, title, values, flagged(report, f"gpu {key}") | flagged(report, f"gpu {key} vs datasheet"),
-             floor, peak)  # fmt: skip
 
 
 def sweeps(report):
@@ -100,26 +168,57 @@ def sweeps(report):
     return found
 
 
+def collective_lines(report):
+    """Per collective: {"lines": {scope: ([sizes], [busbw])}, "floors": {scope: GB/s}, "note", "why"}. A point
+    that is not a finite number is left out, and said; above MAX_LINES scopes, the nodes' own sweeps drawn
+    are those the floor check flagged, then the lowest at the largest size."""
+    found, panels = sweeps(report), {}
+    for op in COLLECTIVES:
+        lines, broken = {}, []
+        for scope, sweep in found.items():
+            rows = sweep[op] if isinstance(sweep.get(op), list) else []
+            points = [(row["size_bytes"], row["busbw_GB/s"]) for row in rows]
+            finite = [(size, busbw) for size, busbw in points if math.isfinite(busbw)]
+            if len(finite) < len(points):
+                broken.append(scope)
+            if finite:
+                lines[scope] = tuple(map(list, zip(*finite)))
+        notes = [f"not a number: {', '.join(broken)}"] if broken else []
+        nodes = {scope: line[1][-1] for scope, line in lines.items() if scope.endswith(" intra-node")}
+        if len(lines) > MAX_LINES:
+            flagged_nodes = {f"{member} intra-node" for member in flagged(report, f"intra-node {op} busbw")}
+            kept, note = drawn_first(nodes, flagged_nodes, MAX_LINES - (len(lines) - len(nodes)))
+            lines = {scope: line for scope, line in lines.items() if scope not in nodes or scope in kept}
+            notes.append(f"nodes' own lines: {note}")
+        floors = {scope: floor_of(report, f"{scope} {op} busbw") for scope in ("intra-node", "inter-node")}
+        panels[op] = {
+            "lines": lines,
+            "floors": {scope: floor for scope, floor in floors.items() if floor},
+            "note": "; ".join(notes),
+            "why": "; ".join(notes) or (report.get("nccl") or {}).get("skipped", "not measured"),
+        }
+    return panels
+
+
 def collective_panels(report, axes):
-    found = sweeps(report)
-    for axis, op in zip(axes, COLLECTIVES):
-        lines = {scope: sweep[op] for scope, sweep in found.items() if isinstance(sweep.get(op), list)}
-        if not lines:
-            skipped(axis, op, (report.get("nccl") or {}).get("skipped", "not measured"))
+    for axis, (op, panel) in zip(axes, collective_lines(report).items()):
+        if not panel["lines"]:
+            skipped(axis, op, panel["why"])
             continue
-        for scope, rows in lines.items():
-            axis.plot([r["size_bytes"] for r in rows], [r["busbw_GB/s"] for r in rows], marker="o",
-                      markersize=3, label=scope)  # fmt: skip
+        for scope, (sizes, busbw) in panel["lines"].items():
+            axis.plot(sizes, busbw, marker="o", markersize=3, label=printable(scope))
         for scope, style in (("intra-node", "--"), ("inter-node", ":")):
-            floor = floor_of(report, f"{scope} {op} busbw")
-            if floor:
-                axis.axhline(floor, color=FLOOR, linestyle=style, linewidth=1, label=f"{scope} floor")
+            if scope in panel["floors"]:
+                axis.axhline(
+                    panel["floors"][scope], color=FLOOR, linestyle=style, linewidth=1, label=f"{scope} floor"
+                )
         axis.set_xscale("log", base=2)
         axis.xaxis.set_major_formatter(FuncFormatter(size_label))
         axis.set_title(f"{op} busbw, GB/s")
         axis.set_xlabel("message size", fontsize=7)
         axis.tick_params(labelsize=7)
         axis.legend(fontsize=6)
+        noted(axis, panel["note"])
 
 
 def size_label(size, _):
@@ -129,18 +228,6 @@ def size_label(size, _):
     return f"{size:g} B"
 
 
-def node_panels(report, axes):
-    for axis, (section, key, title) in zip(axes, NODE_FIGURES):
-        figures = report.get(section) or {}
-        nodes = {name: f for name, f in figures.items() if name != "aggregate" and isinstance(f, dict)}
-        values = {name: f[key] for name, f in nodes.items() if isinstance(f.get(key), (int, float))}
-        if not values:
-            skipped(axis, title, figures.get("skipped", "not measured"))
-            continue
-        floor = floor_of(report, f"{section} {key}") if key == "parallel_write_GB/s" else None
-        bars(axis, title, values, flagged(report, f"node {section} {key}"), floor)
-
-
 def draw(report, path):
     """Writes the picture to path (under a temporary name, then renamed); returns its panels' titles."""
     figure = plt.figure(figsize=(16, 12), layout="constrained")
@@ -148,9 +235,11 @@ def draw(report, path):
     gpu_axes = rows[0].subplots(1, len(GPU_FIGURES))
     collective_axes = rows[1].subplots(1, len(COLLECTIVES))
     node_axes = rows[2].subplots(1, len(NODE_FIGURES))
-    gpu_panels(report, gpu_axes)
+    for axis, panel in zip(gpu_axes, gpu_bar_panels(report)):
+        bars(axis, panel)
     collective_panels(report, collective_axes)
-    node_panels(report, node_axes)
+    for axis, panel in zip(node_axes, node_bar_panels(report)):
+        bars(axis, panel)
     for row, name in zip(rows, ("GPUs", "collectives", "nodes")):
         row.suptitle(name, fontsize=10, x=0.01, ha="left")
     job, world = report.get("job", {}), report.get("world", {})

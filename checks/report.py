@@ -13,6 +13,7 @@ import yaml
 
 from checks import history, picture
 from checks.storage import storage_aggregate
+from checks.terminal import printable
 from checks.verdicts import check, failed_nodes, verdict, verdict_checks
 from checks.world import World
 from common.errors import fail
@@ -21,13 +22,14 @@ from common.node import write_suspects
 
 
 def print_table(checks: list):
-    widths = [
-        max(len(str(c[key])) for c in checks + [check("status", "check", "value", "reference")])
-        for key in ("status", "check", "value")
+    """The checks, a line each; what the nodes named themselves is printed as text, never acted on."""
+    rows = [
+        [printable(row[key]) for key in ("status", "check", "value", "reference")]
+        for row in [check("STATUS", "CHECK", "VALUE", "REFERENCE"), *checks]
     ]
-    for row in [check("STATUS", "CHECK", "VALUE", "REFERENCE")] + checks:
-        cells = [str(row[key]).ljust(width) for key, width in zip(("status", "check", "value"), widths)]
-        print("  ".join(cells + [row["reference"]]))
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:
+        print("  ".join([cell.ljust(width) for cell, width in zip(row, widths)] + [row[3]]))
 
 
 def rounded(value):
@@ -72,7 +74,7 @@ def write_reports(report: dict, world: World, node: str, cfg: dict) -> Path:
     path."""
     chosen = [None]
     if world.rank == 0:
-        earlier = history.read_history(Path(history_folder(cfg)) / history.HISTORY_FILE)
+        earlier = history.read_history(history.history_path(cfg))
         history.judge_against_history(report, earlier)
         chosen = [claim_report_path(cfg, report["job"]["id"], report)]
         failed = failed_nodes(report["checks"])
@@ -96,11 +98,6 @@ def write_reports(report: dict, world: World, node: str, cfg: dict) -> Path:
         print(f"verdict: {report['verdict']} in {seconds:.1f} s; report: {path}; picture: {drawn}")
     world.barrier()
     return path
-
-
-def history_folder(cfg: dict) -> str:
-    """The history lives beside the reports: --report's folder, else --report_dir."""
-    return str(Path(cfg["report"]).parent) if cfg["report"] else cfg["report_dir"]
 
 
 def cluster_report(everyone: list, world: World, job: dict, cfg: dict) -> dict:
@@ -139,6 +136,7 @@ def cluster_report(everyone: list, world: World, job: dict, cfg: dict) -> dict:
         "memory": per_node("memory"),
         "nodes": {
             label[r["node_rank"]]: {
+                "node_name": r["node_name"],
                 "hostname": r["hostname"],
                 "first_rank": r["rank"],
                 "nics_Gbps": r["nics_Gbps"],

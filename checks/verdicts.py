@@ -1,9 +1,11 @@
 """From figures to checks: each member against its peers, GPUs against the datasheet and their first
 second, collectives against a busbw floor per platform, storage against --min_storage_GBps; the
-verdict and the nodes a failing check names.
+verdict and the nodes a failing check names. Each check carries its text for people (value, reference)
+and the same as fields for the table, the picture, the history and the job (check()): nothing reads a
+verdict back out of its text.
 """
 
-import re
+import math
 import statistics
 
 from checks.timing import BUSBW_FACTORS, MiB
@@ -51,21 +53,26 @@ FLOOR_MIN_BYTES = 256 * MiB  # below this, busbw is still climbing: no floor app
 INTER_NODE_FLOOR_FRACTION = 0.5
 
 
-def check(status: str, name: str, value: str, reference: str = "") -> dict:
-    return {"status": status, "check": name, "value": value, "reference": reference}
+def check(status, name, value, reference="", *, measured=None, floor=None, unit="", flagged=None) -> dict:
+    """A check as people read it (status, check, value, reference) and as the rest of the benchmark reads it:
+    measured, the figure its value shows (None: none); floor, the least that passes, in the same unit
+    (None: none); flagged, {member as the report labels it: why}; nodes, the SLURM names of the flagged
+    nodes and of the nodes of flagged GPUs (verdict_checks fills them in)."""
+    return {"status": status, "check": name, "value": value, "reference": reference, "measured": measured,
+            "floor": floor, "unit": unit, "flagged": flagged or {}, "nodes": []}  # fmt: skip
 
 
-FLAGGED_MARK = "; flagged "
+def flagged_text(flagged: dict) -> str:
+    return f"; flagged {', '.join(flagged)}" if flagged else ""
 
 
-def flagged(names: list) -> str:
-    return f"{FLAGGED_MARK}{', '.join(names)}" if names else ""
+def under(value: float, floor: float) -> bool:
+    """Whether a figure fails its floor: below it, or not a finite number (a failed measurement)."""
+    return not (math.isfinite(value) and value >= floor)
 
 
-def flagged_names(value) -> set:
-    """The names flagged() wrote at the end of a check's value."""
-    text = str(value)
-    return set(text.split(FLAGGED_MARK, 1)[1].split(", ")) if FLAGGED_MARK in text else set()
+def unit_of(figure: str) -> str:
+    return next(unit for unit in RATE_UNITS if figure.endswith(unit))
 
 
 def size_text(size_bytes: int) -> str:
@@ -89,15 +96,27 @@ def straggler_checks(kind: str, members: dict, below: str = "fail") -> list:
         )
     checks = []
     for figure in figures:
-        values = {name: m[figure] for name, m in members.items() if isinstance(m.get(figure), (int, float))}
-        low, median = stragglers.below_peers(values), statistics.median(values.values())
-        slowest = min(values, key=values.get)
+        numbers = {name: m[figure] for name, m in members.items() if isinstance(m.get(figure), (int, float))}
+        values = {name: value for name, value in numbers.items() if math.isfinite(value)}
+        low = {name: f"{value}: not a number" for name, value in numbers.items() if name not in values}
+        if not values:  # never a pass: every measurement failed
+            text = f"no finite figure{flagged_text(low)}"
+            checks.append(check(below, f"{kind} {figure}", text, unit=unit_of(figure), flagged=low))
+            continue
+        median = statistics.median(values.values())
+        floor = (1 - stragglers.MARGIN) * median
+        low |= {name: f"{values[name]:.4g}, median {median:.4g}" for name in stragglers.below_peers(values)}
+        slowest = min(numbers, key=lambda name: (name in values, values.get(name, 0)))
         checks.append(
             check(
                 below if low else "pass",
                 f"{kind} {figure}",
-                f"slowest {slowest}: {values[slowest]:.4g}{flagged(low)}",
-                f"median {median:.4g}, flag below {(1 - stragglers.MARGIN) * median:.4g}",
+                f"slowest {slowest}: {numbers[slowest]:.4g}{flagged_text(low)}",
+                f"median {median:.4g}, flag below {floor:.4g}",
+                measured=numbers[slowest],
+                floor=floor,
+                unit=unit_of(figure),
+                flagged=low,
             )
         )
     return checks
@@ -120,31 +139,47 @@ def gpu_checks(gpus: dict) -> list:
             )
         if known:
             percent = {name: 100 * value / peak for name, (value, peak) in known.items()}
-            low = [name for name, p in percent.items() if p < DATASHEET_MIN_PERCENT]
-            worst = min(percent, key=percent.get)
+            low = {
+                name: f"{p:.0f}% of {known[name][1]:g}"
+                for name, p in percent.items()
+                if under(p, DATASHEET_MIN_PERCENT)
+            }
+            worst = min(percent, key=lambda name: (name not in low, percent[name]))
             checks.append(
                 check(
                     "fail" if low else "pass",
                     f"gpu {figure} vs datasheet",
-                    f"lowest {worst}: {percent[worst]:.0f}% of {known[worst][1]:g}{flagged(low)}",
+                    f"lowest {worst}: {percent[worst]:.0f}% of {known[worst][1]:g}{flagged_text(low)}",
                     f">= {DATASHEET_MIN_PERCENT:.0f}% of datasheet",
+                    measured=percent[worst],
+                    floor=DATASHEET_MIN_PERCENT,
+                    unit="% of datasheet",
+                    flagged=low,
                 )
             )
     ratios = {
-        f"{name} {key.removesuffix('_throttle_ratio')}": value
+        (name, key.removesuffix("_throttle_ratio")): value
         for name, g in gpus.items()
         for key, value in g.items()
         if key.endswith("_throttle_ratio") and isinstance(value, (int, float))
     }
     if ratios:
-        low = [name for name, ratio in ratios.items() if ratio < THROTTLE_MIN_RATIO]
-        worst = min(ratios, key=ratios.get)
+        low = [(name, loop) for (name, loop), ratio in ratios.items() if under(ratio, THROTTLE_MIN_RATIO)]
+        worst = min(ratios, key=lambda member: (member not in low, ratios[member]))
+        reasons = {}
+        for name, loop in low:
+            reasons[name] = "; ".join(filter(None, [reasons.get(name), f"{loop} {ratios[name, loop]:.3g}"]))
+        shown = {f"{name} {loop}": None for name, loop in low}
         checks.append(
             check(
                 "fail" if low else "pass",
                 "gpu throttling (last second / first)",
-                f"lowest {worst}: {ratios[worst]:.3g}{flagged(low)}",
+                f"lowest {' '.join(worst)}: {ratios[worst]:.3g}{flagged_text(shown)}",
                 f">= {THROTTLE_MIN_RATIO:g}",
+                measured=ratios[worst],
+                floor=THROTTLE_MIN_RATIO,
+                unit="last second / first",
+                flagged=reasons,
             )
         )
     ecc = {name: g["ecc_uncorrected_errors"] for name, g in gpus.items() if g.get("ecc_uncorrected_errors")}
@@ -155,6 +190,9 @@ def gpu_checks(gpus: dict) -> list:
                 "gpu uncorrected ECC errors",
                 ", ".join(f"{n}: {v}" for n, v in ecc.items()) or "none",
                 "0",
+                measured=max(ecc.values(), default=0),
+                unit="errors",
+                flagged={name: f"{count} uncorrected ECC errors" for name, count in ecc.items()},
             )
         )
     return checks
@@ -213,15 +251,23 @@ def busbw_floor_checks(scope: str, sweeps: dict, floors: dict) -> list:
             reasons = [f"{reason} ({', '.join(names)})" for reason, names in unjudged.items()]
             checks.append(check("skip", f"{scope} {op} busbw", "; ".join(reasons)))
         if judged:
-            low = [name for name, (busbw, floor) in judged.items() if busbw < floor[op]]
-            worst = min(judged, key=lambda name: judged[name][0] / judged[name][1][op])
+            low = {
+                name: f"{busbw:.4g} GB/s, floor {floor[op]:.4g}"
+                for name, (busbw, floor) in judged.items()
+                if under(busbw, floor[op])
+            }
+            worst = min(judged, key=lambda name: (name not in low, judged[name][0] / judged[name][1][op]))
             busbw, floor = judged[worst]
             checks.append(
                 check(
                     "fail" if low else "pass",
                     f"{scope} {op} busbw",
-                    f"lowest {worst}: {busbw:.4g} GB/s{flagged(low)}",
+                    f"lowest {worst}: {busbw:.4g} GB/s{flagged_text(low)}",
                     f">= {floor[op]:.4g} GB/s ({floor['platform']})",
+                    measured=busbw,
+                    floor=floor[op],
+                    unit="GB/s",
+                    flagged=low,
                 )
             )
     return checks
@@ -252,6 +298,8 @@ def slow_rank_checks(sweeps: dict) -> list:
             "collective slowest rank",
             shown or "every rank near the average",
             f"time_max_us <= {SLOW_RANK_RATIO:g} x time_us",
+            measured=max(row["time_max_us"] / row["time_us"] for _, _, row in rows),
+            unit="x time_us",
         )
     ]
 
@@ -290,14 +338,18 @@ def storage_floor_checks(storage: dict, min_GBps: float) -> list:
     }
     if not nodes or not min_GBps:
         return []
-    low = [name for name, value in nodes.items() if value < min_GBps]
-    worst = min(nodes, key=nodes.get)
+    low = {name: f"{value:.4g} GB/s" for name, value in nodes.items() if under(value, min_GBps)}
+    worst = min(nodes, key=lambda name: (name not in low, nodes[name]))
     return [
         check(
             "fail" if low else "pass",
             "storage parallel_write_GB/s",
-            f"slowest {worst}: {nodes[worst]:.4g}{flagged(low)}",
+            f"slowest {worst}: {nodes[worst]:.4g}{flagged_text(low)}",
             f">= {min_GBps:g} (--min_storage_GBps)",
+            measured=nodes[worst],
+            floor=min_GBps,
+            unit="GB/s",
+            flagged=low,
         )
     ]
 
@@ -313,7 +365,7 @@ def verdict_checks(
         if isinstance(report[section], dict) and "skipped" in report[section]
     ]
     checks += [
-        check("fail", f"{section} on {name}", figures["error"])
+        check("fail", f"{section} on {name}", figures["error"], flagged={name: figures["error"]})
         for section in ("gpu", "storage", "cpu", "memory")
         for name, figures in report[section].items()
         if isinstance(figures, dict) and "error" in figures
@@ -332,8 +384,21 @@ def verdict_checks(
     checks += straggler_checks("node", nodes, below="warn")
     if isinstance(report["links"].get("pairs"), dict):
         checks += straggler_checks("node pair", report["links"]["pairs"])
+    name_nodes(checks, report)
     order = {"fail": 0, "warn": 1, "pass": 2, "skip": 3}
     return sorted(checks, key=lambda c: order[c["status"]])
+
+
+def name_nodes(checks: list, report: dict):
+    """Fills in each check's nodes: the SLURM names of the nodes it flagged and of the nodes of the GPUs it
+    flagged (a collective or a pair of nodes is neither)."""
+    nodes = {label: node["node_name"] for label, node in report["nodes"].items()}
+    gpus = {
+        gpu: name for gpu in report["gpu"] for label, name in nodes.items() if gpu.startswith(f"{label}/")
+    }
+    names = {**nodes, **gpus}
+    for c in checks:
+        c["nodes"] = sorted({names[member] for member in c["flagged"] if member in names})
 
 
 def verdict(checks: list, fail_on_warn: bool = False) -> str:
@@ -349,6 +414,6 @@ def failed_nodes(checks: list) -> dict:
     nodes = {}
     for c in checks:
         if c["status"] == "fail":
-            for name in re.findall(r"node\d+ \(([^)]+)\)", f"{c['check']} {c['value']}"):
+            for name in c["nodes"]:
                 nodes.setdefault(name, f"benchmark: {c['check']}: {c['value']}")
     return nodes

@@ -1,15 +1,14 @@
 """Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/, written under a temporary name and renamed once every
 rank has finished, so a folder named step_<N> is always complete. Its manifest.json holds a CRC-32 checksum
-of every other file, checked before any tensor is loaded; an unusable checkpoint is named and skipped for the
-one before it. The checksums find accidents; run/safe_load.py keeps a deliberately changed file from running
-code."""
+of every other file, checked before any tensor is loaded (run/checkpoint_files.py); an unusable checkpoint is
+named and skipped for the one before it. The checksums find accidents; run/safe_load.py keeps a deliberately
+changed file from running code, reading beyond its folder or loading another model's tensors."""
 
 import json
 import os
 import re
 import shutil
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -23,18 +22,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common.errors import exit_after_the_speaker, fail
+from run.checkpoint_files import MANIFEST, checkpoint_problem, file_checksum, read_json
 from run.checkpoint_schedule import CheckpointSchedule, benchmark_write_GBps
 from run.options import REWINDS
-from run.safe_load import UnsafeFile, load_file, load_sharded, metadata_problem
-
-MANIFEST = "manifest.json"
+from run.safe_load import UnsafeFile, load_file, load_full, load_sharded
 
 # Options a checkpoint's optimizer and schedule carry values of, which a relaunch may change: the learning
 # rate and its schedule, weight decay, clipping and the run's length (where the cosine decay ends).
 RESUMED_OPTIONS = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_steps", "num_epochs")
 DECAYED_GROUP = 0  # train.py's build_optimizer puts the weights that decay in the first parameter group
-
-HASH_CHUNK = 64 << 20
 
 
 def checkpoint_steps(run_dir):
@@ -49,30 +45,11 @@ def newest_checkpoint(run_dir):
 
 def checkpoint_step(path):
     """The step a verified checkpoint was written at, whatever its folder is called now."""
-    with open(os.path.join(path, "trainer_state.json")) as file:
-        return json.load(file)["step"]
+    return read_json(os.path.join(path, "trainer_state.json"))["step"]
 
 
 def model_and_optimizer_state(model, optimizer, full):
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
-
-
-def hash_threads():
-    return max(1, len(os.sched_getaffinity(0)) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-
-
-def file_checksum(path):
-    """Size and CRC-32 of the CRC-32s of the file's 64 MiB chunks, hashed on parallel threads (zlib releases
-    the GIL). CRC-32 finds accidental corruption, which is what a checkpoint meets, at twice SHA-256's speed
-    (2.0 against 1.0 GB/s a core here), so checksums cost a save a quarter of its time, not half."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as file, ThreadPoolExecutor(hash_threads()) as pool:
-
-        def digest(offset):
-            return zlib.crc32(os.pread(file.fileno(), HASH_CHUNK, offset)).to_bytes(4, "big")
-
-        digests = pool.map(digest, range(0, size, HASH_CHUNK))
-        return {"size": size, "crc32": f"{zlib.crc32(b''.join(digests)):08x}"}
 
 
 def own_files(folder, rank):
@@ -267,13 +244,18 @@ class Checkpointer:
             f"Free space or fix permissions, then relaunch"
         )
 
-    def problem(self, path):
-        """The first problem any rank finds in its share of the checkpoint's files, or None."""
-        return next(filter(None, self.gather(checkpoint_problem(path, self.rank, self.world_size))), None)
+    def problem(self, path, model):
+        """The first problem any rank finds in its share of the checkpoint's files, or None. Its tensors are
+        compared with the model's unless its trainer state records another model: load refuses that one,
+        naming the family or shape, and the run does not fall back past the user's change."""
+        model = model if self.records_this_model(path) else None
+        problem = checkpoint_problem(path, self.rank, self.world_size, model)
+        return next(filter(None, self.gather(problem)), None)
 
-    def choose(self, resume_from):
-        """The checkpoint to resume from: resume_from, else the newest of the run; one that is incomplete
-        or corrupt is skipped for the one before it. None for a fresh run; exit 2 if none is usable."""
+    def choose(self, resume_from, model):
+        """The checkpoint to resume from: resume_from, else the newest of the run; one that is incomplete,
+        corrupt, or holds tensors other than the model's (given on the meta device) is skipped for the one
+        before it. None for a fresh run; exit 2 if none is usable."""
         if resume_from:
             resume_from = self.rewind(os.path.normpath(resume_from))
         run_dir = os.path.dirname(resume_from) or "." if resume_from else self.run_dir
@@ -284,7 +266,7 @@ class Checkpointer:
             older = candidates[candidates.index(newest) + 1 :] if newest in candidates else []
             candidates = [newest] + older
         for index, path in enumerate(candidates):
-            problem = self.problem(path)
+            problem = self.problem(path, model)
             if problem is None:
                 return path
             if self.rank == 0:
@@ -346,12 +328,12 @@ class Checkpointer:
         """Every rank finds the same problem with a checkpoint; rank 0 says it."""
         fail(message) if self.rank == 0 else exit_after_the_speaker()
 
-    def refuse_another_run(self, path, trainer_state):
-        """A checkpoint of another model family or shape, or of real data read in windows of another length,
-        is refused in one line."""
+    def another_model(self, path, trainer_state):
+        """The line that refuses a checkpoint whose trainer state records another model family or shape, or
+        None."""
         family, saved_family = self.shape.config_class.__name__, trainer_state.get("family", "")
         if saved_family and saved_family != family:
-            self.refuse(
+            return (
                 f"checkpoint {path} holds a {saved_family} model, and this run builds a {family} one "
                 f"(--model={self.args.model}); use another --run_name or --checkpoint_dir"
             )
@@ -359,10 +341,25 @@ class Checkpointer:
         changed = {k: (v, getattr(self.shape, k)) for k, v in recorded.items() if getattr(self.shape, k) != v}
         if changed:
             details = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items())
-            self.refuse(
+            return (
                 f"checkpoint {path} has another model shape ({details}); use another --run_name or "
                 f"--checkpoint_dir"
             )
+        return None
+
+    def records_this_model(self, path):
+        """Whether the checkpoint's trainer state records this run's model family and shape; also when it is
+        unreadable, which checkpoint_problem names."""
+        try:
+            return self.another_model(path, read_json(os.path.join(path, "trainer_state.json"))) is None
+        except (OSError, UnsafeFile, ValueError, KeyError, TypeError, AttributeError):
+            return True
+
+    def refuse_another_run(self, path, trainer_state):
+        """A checkpoint of another model family or shape, or of real data read in windows of another length,
+        is refused in one line."""
+        if message := self.another_model(path, trainer_state):
+            self.refuse(message)
         windows = trainer_state.get("config", {}).get("seq_length")
         if self.args.data != "dummy" and windows and windows != self.args.seq_length:
             self.refuse(  # the data position counts windows: another length would repeat text and skip other
@@ -379,6 +376,13 @@ class Checkpointer:
         except UnsafeFile as error:
             self.refuse(f"not resuming: {error}")
 
+    def state_to_load(self, model, optimizer):
+        """The model's and, unless --skip_optimizer, the optimizer's state, sharded, as save names them."""
+        model_state, optimizer_state = model_and_optimizer_state(model, optimizer, full=False)
+        if self.args.skip_optimizer:
+            return {"model": model_state}
+        return {"model": model_state, "optimizer": optimizer_state}
+
     def load(self, path, model, optimizer, scheduler, batches):
         """Restores a checkpoint written by save(); returns its trainer state."""
         with open(os.path.join(path, "trainer_state.json")) as f:
@@ -387,13 +391,10 @@ class Checkpointer:
         self.schedule.resumed(trainer_state["step"])
         full_file = os.path.join(path, "state_dict.pt")
         full = os.path.exists(full_file)
-        if full:  # memory-mapped: the ranks of a node share one copy in the page cache
-            state = self.load_safely(load_file, full_file, mmap=True)
+        if full:  # only if its tensors are those of the model and optimizer, by name and shape
+            state = self.load_safely(load_full, full_file, self.state_to_load(model, optimizer))
         else:
-            model_state, optimizer_state = model_and_optimizer_state(model, optimizer, full=False)
-            state = {"model": model_state}
-            if not self.args.skip_optimizer:
-                state["optimizer"] = optimizer_state
+            state = self.state_to_load(model, optimizer)
             self.load_safely(load_sharded, state, path)
         options = StateDictOptions(full_state_dict=full)
         if self.args.skip_optimizer:  # fresh optimizer; this run's schedule, at the resumed step
@@ -442,72 +443,6 @@ class Checkpointer:
         if self.rank == 0:
             changes = ", ".join(f"--{name} {old} -> {new}" for name, (old, new) in changed.items())
             print(f"options changed since the checkpoint, applied from here on: {changes}", flush=True)
-
-
-def checkpoint_problem(path, rank=0, world_size=1):
-    """None if path is a complete checkpoint whose files all match their checksums, else the first problem
-    found; of several ranks, each checks its share of the files."""
-    problem, files = None, {}
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            files = json.load(f)["files"]
-        if not os.path.isfile(os.path.join(path, "trainer_state.json")):
-            problem = "no trainer_state.json (a save cut short)"
-        else:
-            problem = manifest_problem(files)
-    except FileNotFoundError:
-        problem = f"no {MANIFEST} (a save cut short, or written before checkpoints had checksums)"
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        problem = f"unreadable {MANIFEST} ({save_error(error)})"
-    for name in sorted(files)[rank::world_size] if problem is None else []:
-        file = os.path.join(path, name)
-        try:
-            checksum = file_checksum(file)
-        except FileNotFoundError:
-            problem = f"{file} is missing"
-        except OSError as error:
-            problem = f"{file} is unreadable ({error.strerror})"
-        else:
-            if checksum["size"] != files[name]["size"]:
-                problem = f"{file} has {checksum['size']} bytes instead of {files[name]['size']} (truncated?)"
-            elif checksum != files[name]:
-                problem = f"{file} does not match its checksum (corrupt)"
-        if problem:
-            break
-        problem = unsafe_file_problem(file)
-        if problem:
-            break
-    return problem
-
-
-def unsafe_file_problem(file):
-    """Why a checkpoint file would be refused as more than plain data, checked before anything loads it:
-    DCP's metadata, and the pickles of torch.save, whose tensors load lazily (mmap): no data is read."""
-    name = os.path.basename(file)
-    try:
-        if name == ".metadata":
-            return metadata_problem(os.path.dirname(file))
-        if name.endswith(".pt"):
-            load_file(file, mmap=True)
-    except UnsafeFile as error:
-        return str(error)
-    except (OSError, RuntimeError, ValueError) as error:
-        return f"{file} is unreadable ({str(error).strip().splitlines()[0]})"
-    return None
-
-
-def manifest_problem(files):
-    """A manifest written by save() names each file with its size and checksum, the trainer state and
-    the model's state among them; anything else is damage that the checksums alone would let through."""
-    entry = {"size": int, "crc32": str}
-    if not isinstance(files, dict) or not all(
-        isinstance(value, dict) and all(isinstance(value.get(key), kind) for key, kind in entry.items())
-        for value in files.values()
-    ):
-        return f"{MANIFEST} has entries of the wrong type (damaged)"
-    if "trainer_state.json" not in files or not {".metadata", "state_dict.pt"} & set(files):
-        return f"{MANIFEST} does not list the trainer state and the model state (damaged)"
-    return None
 
 
 def rng_states():

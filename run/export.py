@@ -1,7 +1,6 @@
 """Exports for transformers: the final model of a run, and any step_N checkpoint (--export_from), as a
 save_pretrained folder that from_pretrained loads with no code from this repo."""
 
-import json
 import os
 import shutil
 import warnings
@@ -10,8 +9,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from common.errors import ConfigError, exit_after_the_speaker, fail
-from run.checkpoints import checkpoint_problem, save_error, save_errors, space_left
-from run.safe_load import UnsafeFile, load_file, load_sharded
+from run.checkpoint_files import FULL, checkpoint_problem, read_json
+from run.checkpoints import save_error, save_errors, space_left
+from run.safe_load import UnsafeFile, load_full, load_sharded
 
 
 def save_export(model, tokenizer, path):
@@ -60,7 +60,7 @@ def export_checkpoint(path, rebuild, destination=None, option="--export_from"):
     """Any step_N checkpoint, of either format, as a transformers folder (by default export_step_N beside
     it): one process, no GPU, no process group. Its files are checked against their checksums first; then
     train.py's rebuild(options, shape), given the options and shape the checkpoint records, builds the model
-    on the meta device and its tokenizer."""
+    on the meta device and its tokenizer, and the checkpoint is loaded if its tensors are that model's."""
     path = os.path.normpath(path)
     destination = destination or os.path.join(os.path.dirname(path), f"export_{os.path.basename(path)}")
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
@@ -70,13 +70,12 @@ def export_checkpoint(path, rebuild, destination=None, option="--export_from"):
         )
     if problem := checkpoint_problem(path):
         raise ConfigError(f"{option}={path} is unusable: {problem}")
-    with open(os.path.join(path, "trainer_state.json")) as file:
-        trainer_state = json.load(file)
+    trainer_state = read_json(os.path.join(path, "trainer_state.json"))
     model, tokenizer = rebuild(trainer_state["config"], trainer_state["shape"])
-    full_file = os.path.join(path, "state_dict.pt")
+    full_file = os.path.join(path, FULL)
     try:
         if os.path.exists(full_file):
-            state = load_file(full_file, mmap=True)["model"]
+            state = load_full(full_file, {"model": model.state_dict()})["model"]
         else:
             model.to_empty(device="cpu")
             state = model.state_dict()
@@ -84,7 +83,7 @@ def export_checkpoint(path, rebuild, destination=None, option="--export_from"):
                 warnings.filterwarnings("ignore", "torch.distributed is disabled")
                 load_sharded({"model": state}, path, no_dist=True)
     except UnsafeFile as error:
-        raise ConfigError(f"{option}={path}: {error}") from None
+        raise ConfigError(f"{option}={path} is unusable: {error}") from None
     model.load_state_dict(state, assign=True)
     try:
         save_export(model, tokenizer, destination)

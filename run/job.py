@@ -23,6 +23,7 @@ from pathlib import Path
 from common.files import write_atomically
 from common.node import node_name
 from run import heal, slurm
+from run.benchmark_reports import outcome_path, read_outcome, report_names, split_report
 
 # name: default. slurm_submit.sh sets and explains each; these hold when the module is run alone.
 KNOBS = {"SKIP_BENCHMARK": 0, "CONTINUE_ON_BENCHMARK_FAILURE": 0, "NPROC_PER_NODE": 2, "REQUIRE_GPUS": 0,
@@ -30,14 +31,16 @@ KNOBS = {"SKIP_BENCHMARK": 0, "CONTINUE_ON_BENCHMARK_FAILURE": 0, "NPROC_PER_NOD
          "BENCHMARK_ARGS": "", "CONTAINER_IMAGE": ""}  # fmt: skip
 # train.py's arguments on nodes without GPUs, before the user's, which override them
 CPU_RUN = ["--model=tiny", "--data=dummy", "--max_steps=40", "--seq_length=64", "--batch_size=4", "--lr=3e-3",
-           "--warmup_steps=4", "--compile=False", "--activation_checkpointing=False", "--log_every=5",
+           "--warmup_steps=4", "--compile=False", "--activation_checkpointing=none", "--log_every=5",
            "--log_dir=logs/quickstart"]  # fmt: skip
 HANG_GRACE_S = 15  # a watchdog blamed a node this long ago and the step goes on: that node froze
-# SIGUSR1 with more than EARLY_SIGNAL of the time limit left: the signal's lead is longer than the limit
-# allows, and each start would requeue at once; the job stops with SCALED_LEAD of the limit left instead.
+# SIGUSR1 with more than EARLY_SIGNAL of the time limit left, beyond the SIGNAL_EARLINESS_S by which SLURM
+# may send it early (sbatch(1): "up to 60 seconds earlier than specified"): the signal's lead is longer than
+# the limit allows, and each start would requeue at once; the job stops with SCALED_LEAD of the limit left.
 EARLY_SIGNAL = 0.8
+SIGNAL_EARLINESS_S = 60
 SCALED_LEAD = 0.1
-STOP_FILE = "stop_requested"  # in the run folder: rank 0 looks for it (JOB_STOP_FILE, run/guard.py)
+STOP_FILE = "stop_requested"  # in the run folder: rank 0 looks for it (JOB_STOP_FILE, run/stops.py)
 
 
 class JobError(Exception):
@@ -56,10 +59,26 @@ def read_knobs(environ):
     knobs = {}
     for name, default in KNOBS.items():
         value = environ.get(name, "") or str(default)
-        if isinstance(default, int) and not value.isdigit():
-            raise JobError(f"{name}={value}: give a whole number, 0 or more (e.g. {name}={default})", 2)
+        least = 1 if name == "NPROC_PER_NODE" else 0
+        if isinstance(default, int) and not (whole_number(value) and int(value) >= least):
+            raise JobError(f"{name}={value}: give a whole number, {least} or more (e.g. {name}={default})", 2)
         knobs[name] = int(value) if isinstance(default, int) else value
     return argparse.Namespace(**knobs)
+
+
+def whole_number(text):
+    """Digits 0-9 alone: str.isdigit() takes '²' too, which int() refuses."""
+    return text.isascii() and text.isdigit()
+
+
+def slurm_count(environ, name, default):
+    """A count SLURM sets (SLURM_GPUS_ON_NODE, SLURM_NNODES), or default where it is unset."""
+    value = environ.get(name) or str(default)
+    if not whole_number(value):
+        raise JobError(
+            f"{name}={value} is not a whole number: SLURM sets it in a job; unset it outside one", 2
+        )
+    return int(value)
 
 
 def visible_gpus():
@@ -67,33 +86,6 @@ def visible_gpus():
         return 0
     listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     return sum(line.startswith("GPU") for line in listed.splitlines())
-
-
-def split_report(bench_args):
-    """bench_args without --report/--report_dir, the folder for the reports and the report the user named
-    (None: none): the job names each start's report itself."""
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--report", type=Path)
-    parser.add_argument("--report_dir", type=Path, default=Path("logs"))
-    named, rest = parser.parse_known_args(bench_args)
-    return rest, named.report_dir, named.report
-
-
-def outcome_path(report):
-    """Where benchmark.py writes its outcome for the job (--outcome), beside the report."""
-    return report.with_name(f"{report.stem}.outcome.json")
-
-
-def read_outcome(path):
-    """benchmark.py's outcome: {"verdict": pass, warn or fail, "report": its path, "failed_nodes": {node:
-    why}}; None where it wrote none, having stopped before a verdict (bad input, a crash, a stop)."""
-    try:
-        with open(path) as file:
-            outcome = json.load(file)
-    except (OSError, ValueError):
-        return None
-    valid = isinstance(outcome, dict) and outcome.get("verdict") in ("pass", "warn", "fail")
-    return outcome if valid and isinstance(outcome.get("failed_nodes"), dict) else None
 
 
 class Job:
@@ -106,12 +98,18 @@ class Job:
         self.stop = False  # SIGUSR1 came: the workers checkpoint and the job requeues
         self.stop_deadline = None  # an early SIGUSR1: stop at this time of clock() instead
         self.clock, self.poll_s, self.retry_s = time.monotonic, 1.0, 0.3
-        self.run_folder, self.benchmark_s = None, 0.0
+        self.run_folder, self.benchmark_s, self.process = None, 0.0, None
 
     def on_signal(self, number, _frame):
         self.signals.append(number)
 
     def run(self):
+        if self.knobs.CONTAINER_IMAGE and not self.scheduler.in_job:
+            raise JobError(
+                f"CONTAINER_IMAGE={self.knobs.CONTAINER_IMAGE} runs the job's processes in a container "
+                "through SLURM (pyxis), and this is no SLURM job: unset it to run here, or use sbatch",
+                2,
+            )
         gpus = self.gpus()
         hosts = self.hosts()
         self.nproc = gpus or self.knobs.NPROC_PER_NODE
@@ -150,7 +148,7 @@ class Job:
 
     def gpus(self):
         seen = visible_gpus()
-        gpus = int(self.environ.get("SLURM_GPUS_ON_NODE") or seen)
+        gpus = slurm_count(self.environ, "SLURM_GPUS_ON_NODE", seen)
         host = node_name()
         if gpus and not seen:
             raise JobError(f"the job has {gpus} GPUs per node but nvidia-smi sees none on {host}")
@@ -168,7 +166,7 @@ class Job:
 
     def hosts(self):
         hosts = self.scheduler.hostnames()
-        count = int(self.environ.get("SLURM_NNODES") or len(hosts))
+        count = slurm_count(self.environ, "SLURM_NNODES", len(hosts))
         if len(hosts) != count:
             raise JobError(
                 f"SLURM_NNODES={count} but the job has {len(hosts)} nodes ({' '.join(hosts)}): "
@@ -239,16 +237,19 @@ class Job:
             print("SKIP_BENCHMARK=1: skipping the benchmarks")
             return 0, None, False, None
         rest, folder, given = split_report(bench_args)
-        reports = self.report_names(folder, given)
+        reports = report_names(self.scheduler, folder, given)
         earlier = [outcome for outcome in map(read_outcome, map(outcome_path, reports[:-1])) if outcome]
         if earlier and earlier[-1]["verdict"] != "fail":
             print("requeued run: skipping the benchmarks (they passed in this job's earlier start)")
             return 0, Path(earlier[-1]["report"]), False, None
         report = reports[-1]
-        log(f"phase 1: benchmark.py {' '.join(bench_args)}")
         args = [*rest, f"--report={report}", f"--outcome={outcome_path(report)}"]
         if self.run_folder:
             args.append(f"--suspects_folder={os.path.join(self.run_folder, 'suspects')}")
+        command = [self.python, "benchmark.py", "--check_only", *args]  # on one node: a typo costs seconds
+        if self.scheduler.check(self.nodes[0], command, self.environ, self.knobs.CONTAINER_IMAGE) != 0:
+            raise JobError("not started: benchmark.py refused its options (above)", 2)
+        log(f"phase 1: benchmark.py {' '.join(bench_args)}")
         started = self.clock()
         status = self.launch("benchmark.py", args, {})
         self.benchmark_s = self.clock() - started
@@ -266,43 +267,6 @@ class Job:
         if status:
             print(f"warning: benchmark.py exited {status} after its verdict, {outcome['verdict']}; going on")
         return 0, Path(outcome["report"]), True, None
-
-    def report_names(self, folder, given):
-        """The benchmark report of each start of this job so far, this one's last. benchmark.py refuses one
-        that exists, so each start has its own: <stem>.yaml, then <stem>_restart<N>.yaml. In a SLURM job the
-        stem is benchmark_<job id>_<its first start, UTC>: job ids start again from 1 when a controller's
-        state is reset, and two clusters may share a folder, so the id alone may name another job's report.
-        The job's comment keeps that time for the starts after a requeue (first_start=, squeue -o %k).
-        Outside SLURM each run's is named after the time."""
-        if given:
-            stem, folder = given.stem, given.parent
-        elif self.scheduler.in_job:
-            stem = f"benchmark_{self.scheduler.job_id}_{self.first_start()}"
-        else:
-            stem = f"benchmark_{time.strftime('%Y%m%d-%H%M%S')}"
-            while (folder / f"{stem}.yaml").exists():  # another run this second
-                stem += "_"
-        suffix = given.suffix if given else ".yaml"
-        return [
-            folder / f"{stem}{f'_restart{restart}' if restart else ''}{suffix}"
-            for restart in range(self.scheduler.restarts + 1)
-        ]
-
-    def first_start(self):
-        """This job's first start, as its comment keeps it; kept there now on the first start."""
-        comment = self.scheduler.comment()
-        kept = slurm.comment_value(comment, "first_start")
-        if kept:
-            return kept
-        now = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        refused = self.scheduler.set_comment(slurm.with_comment_value(comment, "first_start", now))
-        if refused:
-            print(
-                f"warning: cannot keep first_start={now} in the job's comment ({refused}): a requeued start "
-                "will not find this start's benchmark report, and benchmarks again",
-                file=sys.stderr,
-            )
-        return now
 
     def train(self, train_args, report):
         env = {"BENCHMARK_SECONDS": f"{self.benchmark_s:.1f}", "JOB_STOP_FILE": self.stop_file()}
@@ -329,7 +293,9 @@ class Job:
             self.python, self.nodes, self.nproc, self.knobs.TORCHRUN_MAX_RESTARTS
         )
         self.handle_signals()  # a stop that came before: its file is there when the workers look
-        process = self.scheduler.start(self.nodes, [*torchrun, script, *args], {**self.environ, **env})
+        process = self.process = self.scheduler.start(
+            self.nodes, [*torchrun, script, *args], {**self.environ, **env}
+        )
         ended = False
         while process.poll() is None:
             self.handle_signals()
@@ -339,6 +305,7 @@ class Job:
                 ended = True
             time.sleep(self.poll_s)
         self.handle_signals()
+        self.process = None
         return process.returncode
 
     def handle_signals(self):
@@ -347,7 +314,7 @@ class Job:
         looks for (one a worker that does not catch signals yet cannot die of)."""
         while self.signals:
             if self.signals.pop(0) == signal.SIGTERM:
-                log("SIGTERM: waiting for the training processes to exit")
+                self.terminated()
             elif not self.stop and self.stop_deadline is None:
                 self.time_limit_near()
         if self.stop_deadline is not None and not self.stop and self.clock() >= self.stop_deadline:
@@ -360,9 +327,20 @@ class Job:
             except OSError as error:  # tried again at the next poll
                 print(f"warning: cannot ask the workers to stop ({error})", file=sys.stderr)
 
+    def terminated(self):
+        """SIGTERM. In a job SLURM sends it to every process of the job, and the job waits for its workers.
+        Outside SLURM only this process gets it: the launch running gets it from here, and none starts."""
+        if self.scheduler.in_job:
+            log("SIGTERM: waiting for the training processes to exit")
+        elif self.process is None:
+            raise JobError("stopped by SIGTERM before the next phase started", 143)
+        else:
+            log("SIGTERM: passed on to the workers; waiting for them to exit")
+            self.process.send_signal(signal.SIGTERM)
+
     def time_limit_near(self):
         times = self.scheduler.time_left_s()
-        if times is None or times[0] <= EARLY_SIGNAL * times[1]:
+        if times is None or times[0] <= EARLY_SIGNAL * times[1] + SIGNAL_EARLINESS_S:
             log("SIGUSR1: time limit near, checkpointing to requeue")
             self.stop = True
             return

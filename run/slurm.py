@@ -43,7 +43,7 @@ class Local:
         return subprocess.Popen(command, env=env)
 
     def check(self, node, command, env, container_image):
-        """Runs train.py's check of its options here; returns its exit status."""
+        """Runs a script's check of its options (train.py's, benchmark.py's) here; returns its exit status."""
         return subprocess.run(command, env=env).returncode
 
     def end(self, process):
@@ -129,7 +129,7 @@ class Slurm(Local):
         return subprocess.Popen([*self.srun, *where, *command], env=env)
 
     def check(self, node, command, env, container_image):
-        """Runs train.py's check of its options on node when only the container has its Python, else here."""
+        """Runs a script's check of its options on node when only the container has its Python, else here."""
         if container_image:
             command = [*self.srun, "--nodes=1", "--ntasks=1", f"--nodelist={node}", *command]
         return subprocess.run(command, env=env).returncode

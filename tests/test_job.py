@@ -7,10 +7,13 @@ import itertools
 import json
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import pytest
-from conftest import TINY, launch
+from conftest import REPO, TINY, launch
 
 from run import heal, job, slurm
 
@@ -36,7 +39,7 @@ class FakeSlurm:
 
     in_job, job_id = True, "42"
 
-    def __init__(self, run_folder, phases, comment="", time_left=None, refuse_exclude=0):
+    def __init__(self, run_folder, phases, comment="", time_left=None, refuse_exclude=0, benchmark_check=0):
         self.run_folder, self.phases, self.comment_text, self.time_left = (
             str(run_folder),
             phases,
@@ -45,6 +48,7 @@ class FakeSlurm:
         )
         self.restarts, self.hosts, self.excluded_nodes, self.requeues = 0, list(HOSTS), "", 0
         self.refuse_exclude, self.launches, self.ended = refuse_exclude, [], []
+        self.benchmark_check, self.checks = benchmark_check, []
 
     def hostnames(self):
         return list(self.hosts)
@@ -73,7 +77,10 @@ class FakeSlurm:
     def torchrun(self, python, nodes, nproc, max_restarts):
         return ["torchrun", f"--nnodes={len(nodes)}", f"--nproc_per_node={nproc}"]
 
-    def check(self, node, command, env, container_image):  # it names the run folder, which train.py makes
+    def check(self, node, command, env, container_image):  # train.py's names the run folder, which it makes
+        self.checks.append(command[1])
+        if command[1] == "benchmark.py":
+            return self.benchmark_check
         with open(env["CHECKED_JSON"], "w") as file:
             json.dump({"log_folder": self.run_folder}, file)
         return 0
@@ -377,8 +384,8 @@ def test_a_stop_during_the_benchmarks_requeues_before_training(tmp_path, job_sig
 def test_a_signal_lead_longer_than_the_time_limit_allows_warns_and_stops_at_a_tenth(
     tmp_path, capsys, job_signals
 ):
-    """--signal=B:USR1@300 under --time=3: SIGUSR1 comes with 175 of 180 s left; acting on it would requeue
-    at once, every start. The job warns and stops with 18 s left instead."""
+    """--signal=B:USR1@590 under --time=10: SIGUSR1 comes with 585 of 600 s left; acting on it would requeue
+    at once, every start. The job warns and stops with 60 s left instead."""
     now = [0.0]
 
     def phases(script, nodes, process):
@@ -387,13 +394,29 @@ def test_a_signal_lead_longer_than_the_time_limit_allows_warns_and_stops_at_a_te
         now[0] += 10  # each poll, 10 s pass
         return 75 if os.path.exists(process.env["JOB_STOP_FILE"]) else None
 
-    scheduler = FakeSlurm(tmp_path, phases, time_left=(175, 180))
+    scheduler = FakeSlurm(tmp_path, phases, time_left=(585, 600))
     assert run_job(scheduler, clock=lambda: now[0], SKIP_BENCHMARK=1, MAX_REQUEUES=0) == [75]
     polls = scheduler.launches[0][3].polls
-    assert 15 <= polls <= 18, polls  # (175 - 18) s at 10 s a poll, not at once
+    assert 52 <= polls <= 55, polls  # (585 - 60) s at 10 s a poll, not at once
     err = capsys.readouterr().err
-    assert err.count("warning: SIGUSR1 came with 175 s of the job's 180 s time limit left") == 1, err
-    assert "stopping with 18 s left instead" in err
+    assert err.count("warning: SIGUSR1 came with 585 s of the job's 600 s time limit left") == 1, err
+    assert "stopping with 60 s left instead" in err
+
+
+def test_a_signal_slurm_sent_early_for_a_lead_within_the_limit_stops_at_once(tmp_path, capsys, job_signals):
+    """--signal=B:USR1@200 under --time=5 (a lead of 67%): SLURM may send it up to 60 s early, here with 255
+    of 300 s left, past 80% of the limit. That is SLURM's earliness, not a lead too long: it stops now."""
+
+    def phases(script, nodes, process):
+        if process.polls == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return 75 if os.path.exists(process.env["JOB_STOP_FILE"]) else None
+
+    scheduler = FakeSlurm(tmp_path, phases, time_left=(255, 300))
+    assert run_job(scheduler, SKIP_BENCHMARK=1, MAX_REQUEUES=0) == [75]
+    assert scheduler.launches[0][3].polls <= 3
+    out, err = capsys.readouterr()
+    assert "warning" not in err and "SIGUSR1: time limit near, checkpointing to requeue" in out
 
 
 def test_a_hang_blamed_on_a_node_ends_the_step_and_the_node_is_left_out(tmp_path, capsys):
@@ -421,10 +444,98 @@ def test_a_recent_hang_is_left_to_the_watchdogs_of_the_other_ranks(tmp_path):
     assert not job.hang_blamed(tmp_path / "nowhere", job.HANG_GRACE_S)
 
 
-def test_bad_knobs_are_refused_in_one_line():
-    with pytest.raises(job.JobError, match=r"^MAX_REQUEUES=five: give a whole number") as refused:
-        job.read_knobs({"MAX_REQUEUES": "five"})
-    assert refused.value.status == 2
+def test_bad_knobs_are_refused_in_one_line(tmp_path):
+    for name, value, least in (
+        ("MAX_REQUEUES", "five", 0),
+        ("MAX_REQUEUES", "²", 0),
+        ("NPROC_PER_NODE", "0", 1),
+    ):
+        with pytest.raises(job.JobError) as refused:
+            job.read_knobs({name: value})
+        assert (
+            str(refused.value)
+            == f"{name}={value}: give a whole number, {least} or more (e.g. {name}={job.KNOBS[name]})"
+        )
+        assert refused.value.status == 2
+    for name in ("SLURM_GPUS_ON_NODE", "SLURM_NNODES"):
+        start = job.Job(job.read_knobs({}), FakeSlurm(tmp_path, None), [], "python", {name: "abc"})
+        with pytest.raises(
+            job.JobError, match=rf"^{name}=abc is not a whole number: SLURM sets it"
+        ) as refused:
+            start.run()
+        assert refused.value.status == 2
+
+
+def test_bad_benchmark_arguments_stop_the_job_before_any_launch(tmp_path, capsys):
+    scheduler = FakeSlurm(tmp_path, lambda script, nodes, process: 0, benchmark_check=2)
+    with pytest.raises(
+        job.JobError, match=r"^not started: benchmark.py refused its options \(above\)$"
+    ) as refused:
+        run_job(scheduler, BENCHMARK_ARGS="--only=nonsense")
+    assert refused.value.status == 2 and scheduler.checks == ["train.py", "benchmark.py"]
+    assert scheduler.launches == []
+
+
+def test_bad_benchmark_arguments_are_refused_in_one_line_by_a_real_check(tmp_path):
+    """benchmark_only.sh outside SLURM, as a user runs it: benchmark.py --check_only refuses the section, and
+    no torchrun starts."""
+    result = subprocess.run(
+        [sys.executable, "-m", "run.job"],
+        cwd=REPO,
+        env={**os.environ, "BENCHMARK_ONLY": "1", "NPROC_PER_NODE": "1",
+             "BENCHMARK_ARGS": f"--only=nonsense --report_dir={tmp_path}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == (
+        "error: --only: unknown section 'nonsense'; sections are gpu, nccl, links, storage, cpu, memory\n"
+        "error: not started: benchmark.py refused its options (above)\n"
+    )
+    assert "phase 1" not in result.stdout and not list(tmp_path.glob("benchmark_*")), result.stdout
+
+
+def test_a_container_image_outside_slurm_is_refused_in_one_line(tmp_path):
+    start = job.Job(job.read_knobs({"CONTAINER_IMAGE": "img.sqsh"}), slurm.Local(), [], "python", {})
+    with pytest.raises(
+        job.JobError, match=r"^CONTAINER_IMAGE=img.sqsh runs the job's processes in a container"
+    ):
+        start.run()
+
+
+class LocalWithoutTraining(slurm.Local):
+    """This machine, as outside SLURM, whose training launch is a process that records the signal it gets."""
+
+    def __init__(self, run_folder):
+        self.run_folder = str(run_folder)
+
+    def check(self, node, command, env, container_image):
+        with open(env["CHECKED_JSON"], "w") as file:
+            json.dump({"log_folder": self.run_folder}, file)
+        return 0
+
+    def start(self, nodes, command, env):
+        got = os.path.join(self.run_folder, "got")
+        code = (f"import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: (open({got!r}, 'w')"
+                ".write('SIGTERM'), sys.exit(143)))\nopen(sys.argv[1], 'w').close()\n"
+                "time.sleep(60)")  # fmt: skip
+        return subprocess.Popen([sys.executable, "-c", code, os.path.join(self.run_folder, "started")])
+
+
+def test_sigterm_to_the_job_outside_slurm_reaches_its_workers(tmp_path):
+    """Outside SLURM only the job's process gets the SIGTERM: it passes it on to the launch running."""
+    start = job.Job(job.read_knobs({"SKIP_BENCHMARK": "1"}), LocalWithoutTraining(tmp_path), [], "python", {})
+    start.poll_s = 0.05
+
+    def terminate_once_started():
+        while not (tmp_path / "started").exists():
+            time.sleep(0.05)
+        start.on_signal(signal.SIGTERM, None)
+
+    threading.Thread(target=terminate_once_started, daemon=True).start()
+    assert start.run() == 143
+    assert (tmp_path / "got").read_text() == "SIGTERM"
 
 
 def test_a_damaged_excluded_nodes_file_is_read_as_far_as_it_goes(tmp_path):

@@ -4,12 +4,14 @@ real CPU reports (and, for the GPU panels, a report of healthy H100 nodes as the
 import json
 import re
 
+import pytest
 import yaml
 from conftest import launch
 from matplotlib.image import imread
 from test_benchmark import cluster, statuses
 
-from checks import history, picture
+import benchmark as benchmark_script
+from checks import history, picture, verdicts
 
 QUICK = ["--quick", "--skip=storage"]  # the storage figures are the noisiest of a shared 2-core machine
 
@@ -39,6 +41,14 @@ def test_the_picture_draws_every_panel_of_a_gpu_cluster(tmp_path):
     report["verdict"], report["world"] = "pass", {"nodes": 2, "ranks_per_node": 4, "device": "cuda"}
     titles = picture.draw(report, str(tmp_path / "gpus.png"))
     assert titles[:2] == ["bf16 matmul, TFLOP/s", "HBM copy, GB/s"]
+    # the H100's peaks from the datasheet, the floors at half of them
+    matmul, copy = picture.gpu_bar_panels(report)
+    assert (matmul["peaks"], matmul["floors"], copy["peaks"], copy["floors"]) == (
+        [989.4],
+        [494.7],
+        [3350.0],
+        [1675.0],
+    )
     assert titles[2:7] == [f"{op} busbw, GB/s" for op in picture.COLLECTIVES]
     assert imread(tmp_path / "gpus.png").shape == (960, 1280, 4)
 
@@ -98,3 +108,127 @@ def test_a_damaged_history_line_is_skipped_with_a_warning(tmp_path):
     table = launch("benchmark.py", ["--history", f"--report_dir={tmp_path}"], nproc=0)
     assert table.returncode == 0
     assert re.search(r"^\S+ +cpu all_core_ops/s +[\d.]+ [\d.]+ +[+-]\d+%$", table.stdout, re.M), table.stdout
+
+
+def test_a_node_failing_only_the_storage_floor_is_flagged_in_the_picture_and_blamed():
+    """node2's write is 7% below its peers' (no straggler) and under --min_storage_GBps: the storage floor
+    alone fails it, and the picture and the job both read that from the check's fields."""
+    report = cluster(n_nodes=3, gpus=2)
+    report["storage"]["node2 (h2)"]["parallel_write_GB/s"] = 2.8
+    report["checks"] = verdicts.verdict_checks(report, min_storage_GBps=2.9)
+    (failing,) = [c for c in report["checks"] if c["status"] == "fail"]
+    assert failing["check"] == "storage parallel_write_GB/s" and failing["flagged"] == {
+        "node2 (h2)": "2.8 GB/s"
+    }
+    assert (failing["measured"], failing["floor"], failing["unit"], failing["nodes"]) == (
+        2.8,
+        2.9,
+        "GB/s",
+        ["h2"],
+    )
+    assert list(verdicts.failed_nodes(report["checks"])) == ["h2"]
+    write = picture.node_bar_panels(report)[0]
+    assert write["title"] == "storage write, GB/s" and write["flagged"] == {"node2 (h2)"}
+    assert write["floors"] == [2.9]
+
+
+def test_a_real_node_under_the_storage_floor_is_flagged_in_the_picture_and_named_for_the_job(tmp_path):
+    """One real node whose write cannot reach --min_storage_GBps=1e6: with no peer it is no straggler, and
+    the floor alone names it."""
+    result = launch(
+        "benchmark.py",
+        ["--quick", "--only=storage", f"--storage_path={tmp_path}", "--min_storage_GBps=1e6",
+         f"--report_dir={tmp_path}", f"--suspects_folder={tmp_path / 'suspects'}"],
+        nproc=0,
+        env={"SLURMD_NODENAME": "n5"},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    (path,) = [path for path in tmp_path.glob("benchmark_*.yaml") if "_rank" not in path.name]
+    report = yaml.safe_load(path.read_text())
+    assert [c["check"] for c in report["checks"] if c["status"] == "fail"] == ["storage parallel_write_GB/s"]
+    suspects = json.loads((tmp_path / "suspects" / "benchmark.json").read_text())["nodes"]
+    assert list(suspects) == ["n5"] and suspects["n5"].startswith("benchmark: storage parallel_write_GB/s: ")
+    write = picture.node_bar_panels(report)[0]
+    assert write["flagged"] == {"node0 (n5)"} and write["floors"] == [1e6]
+    assert write["log"]  # its bar, a millionth of the floor, would vanish on a linear scale
+
+
+def test_history_never_passes_a_nan_and_reads_past_damaged_lines(tmp_path, capsys):
+    """Lines from elsewhere: nested 200,000 deep (json's recursion), a figure name that is a list, a node
+    name with a terminal escape and a line break, a median of 0, a NaN. None stops the benchmark; nothing
+    prints raw; a NaN never passes and never enters the history."""
+    report = cluster(n_nodes=1, gpus=2)
+    report["job"] = {"mode": "default"}
+    good = history.entries(report)
+    odd = [
+        {"node": "h0", "gpu": None, "figure": ["cpu", "x"], "value": 1.0},
+        {"node": "evil\x1b[2J\nnode", "gpu": None, "figure": "cpu single_core_ops/s", "value": 5.0},
+        {"node": "h9", "gpu": None, "figure": "cpu single_core_ops/s", "value": 0.0},
+        {"node": "h0", "gpu": None, "figure": "cpu single_core_ops/s", "value": float("nan")},
+    ]
+    path = tmp_path / history.HISTORY_FILE
+    lines = ["[" * 200_000 + "]" * 200_000, *(json.dumps({"mode": "default", "figures": good + odd})
+             for _ in range(3))]  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    earlier = history.read_history(path)
+    assert "line 1 is damaged (nested too deep); skipped" in capsys.readouterr().err
+    assert [len(record["figures"]) for record in earlier] == [len(good) + 2] * 3  # the list and the NaN out
+    table = history.trend_table(earlier)
+    assert "\x1b" not in table and "evil\\x1b[2J\\nnode" in table
+    assert [line.split()[-1] for line in table.splitlines() if line.startswith("h9")] == ["-"]  # median 0
+    report["gpu"]["node0 (h0)/gpu1"]["copy_GB/s"] = float("nan")
+    checks = history.history_checks(report, earlier)
+    nan = [c for c in checks if c["check"] == "history h0 gpu1 gpu copy_GB/s"]
+    assert nan and nan[0]["status"] == "warn" and "not a number" in nan[0]["value"], checks
+    history.append(path, report, earlier)
+    latest = json.loads(path.read_text().splitlines()[-1])["figures"]
+    assert len(latest) == len(good) - 1  # the NaN is no part of the node's history
+
+
+def test_the_history_keeps_only_what_is_read(tmp_path):
+    """200 runs of one node: the file keeps each figure's last HISTORY_RUNS + 1 values per mode, no more."""
+    report = cluster(n_nodes=1, gpus=2)
+    path, earlier = tmp_path / history.HISTORY_FILE, []
+    for run in range(200):
+        report["job"] = {"id": str(run), "mode": ("quick", "default")[run % 2]}
+        history.append(path, report, earlier)
+        earlier = history.read_history(path)
+    figures = len(history.entries(report))
+    assert len(earlier) == 2 * (history.HISTORY_RUNS + 1)
+    assert [record["job"] for record in earlier] == [str(run) for run in range(188, 200)]
+    assert sum(len(record["figures"]) for record in earlier) == 2 * (history.HISTORY_RUNS + 1) * figures
+
+
+def test_a_history_that_is_a_folder_is_refused_in_one_line(tmp_path, capsys):
+    (tmp_path / history.HISTORY_FILE).mkdir()
+    with pytest.raises(SystemExit) as exit_status:
+        benchmark_script.parse_args(["--quick", "--only=cpu", f"--report_dir={tmp_path}"])
+    assert exit_status.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: --report_dir: the history beside the reports, {tmp_path / history.HISTORY_FILE}, is not a "
+        "file; move it away\n"
+    )
+
+
+def test_the_picture_says_what_it_cannot_draw_and_keeps_many_nodes_readable(tmp_path):
+    """A NaN and an infinite figure are named in their panels, not drawn as empty ones; 60 nodes draw the
+    flagged ones and the lowest, saying how many are hidden; a bar far under its floor gets a log scale."""
+    report = cluster(n_nodes=60, gpus=2)
+    report["storage"]["node7 (h7)"]["parallel_write_GB/s"] = float("nan")
+    report["storage"]["node9 (h9)"]["parallel_write_GB/s"] = 0.01
+    report["gpu"]["node3 (h3)/gpu1"]["copy_GB/s"] = float("inf")
+    for row in report["nccl"]["intra_node"]["node5 (h5)"]["all_gather"]:
+        row["busbw_GB/s"] = float("nan")
+    report["checks"] = verdicts.verdict_checks(report, min_storage_GBps=1.0)
+    report["verdict"], report["world"] = "fail", {"nodes": 60, "ranks_per_node": 2, "device": "cuda"}
+    matmul, copy = picture.gpu_bar_panels(report)
+    assert len(matmul["values"]) == picture.MAX_BARS and matmul["note"].startswith("96 of 120 hidden")
+    assert copy["note"].startswith("not a number: node3 (h3)/gpu1; ")
+    write = picture.node_bar_panels(report)[0]
+    assert write["note"].startswith("not a number: node7 (h7); 35 of 59 hidden")
+    assert "node9 (h9)" in write["values"] and write["flagged"] == {"node9 (h9)"} and write["log"]
+    gathered = picture.collective_lines(report)["all_gather"]
+    assert gathered["note"].startswith("not a number: node5 (h5) intra-node; nodes' own lines: ")
+    assert len(gathered["lines"]) == picture.MAX_LINES
+    titles = picture.draw(report, str(tmp_path / "many.png"))
+    assert titles[0] == "bf16 matmul, TFLOP/s" and imread(tmp_path / "many.png").shape == (960, 1280, 4)

@@ -247,7 +247,8 @@ def test_impossible_node_count_is_rejected_at_submission(cluster):
 
 
 def test_failed_benchmark_stops_the_job_before_training(cluster, tmp_path):
-    # on one node (sbatch overrides the script's 2); bad benchmark input fails phase 1 like a failed check
+    # on one node (sbatch overrides the script's 2); bad benchmark input is refused by benchmark.py's own
+    # check on one node, in one line, before torchrun starts anywhere
     job_id = submit(
         "slurm_submit.sh",
         tmp_path,
@@ -256,8 +257,10 @@ def test_failed_benchmark_stops_the_job_before_training(cluster, tmp_path):
         BENCHMARK_ARGS=f"--only=nonsense --report_dir={tmp_path}",
     )
     fields, output = wait(job_id, tmp_path)
-    assert fields["JobState"] == "FAILED" and fields["NumNodes"] == "1", output
-    assert f"job {job_id} on n1:" in output and "the benchmark stopped before a verdict" in output, output
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "2:0", output
+    assert fields["NumNodes"] == "1" and f"job {job_id} on n1:" in output, output
+    assert "error: --only: unknown section 'nonsense'" in output and "phase 1" not in output, output
+    assert "error: not started: benchmark.py refused its options (above)" in output, output
     # the options' check made the log folder, as it checks it can write there: nothing more
     assert "phase 2" not in output and not list((tmp_path / "logs").iterdir()), output
     assert "leaving out" not in output and fields["Restarts"] == "0", output  # bad input blames no node

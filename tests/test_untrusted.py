@@ -2,16 +2,42 @@
 for real (a pickle that would create a marker file, the manifest's checksums recomputed with the project's own
 function, as anyone can) and every way of loading a checkpoint is tried on it."""
 
+import collections
 import json
 import os
+import pathlib
 import pickle
 import shutil
+import signal
 
 import pytest
 import torch
+from checkpoint_tampering import (
+    BUILD_ON_METADATA_CLASS,
+    LR,
+    WPE,
+    WTE,
+    another_model_full,
+    another_model_sharded,
+    as_bytes,
+    changed_metadata,
+    foreign_optimizer_state,
+    locate,
+    pipe_in_manifest,
+    pipe_named_by_entries,
+    raw_metadata,
+    resized,
+    shard_made_a_pipe,
+    tampered_run,
+    three_layers,
+    unknown_layout,
+    unlisted_full_state,
+)
 from conftest import TINY, launch, together
+from torch.distributed.checkpoint.metadata import Metadata
 
-from run.checkpoints import MANIFEST, file_checksum
+from run.checkpoint_files import MANIFEST, file_checksum
+from run.safe_load import UnsafeFile, read_metadata
 
 RUN = [*TINY, "--seq_length=32", "--max_steps=4", "--checkpoint_every=2", "--run_name=r"]
 
@@ -199,3 +225,148 @@ def test_a_model_folder_without_weights_is_refused_before_the_model_is_built(tmp
         f"error: --init_from={tmp_path} has a config.json but no weights (model.safetensors, "
         "pytorch_model.bin); give the folder save_pretrained wrote"
     ]
+
+
+OUTSIDE, LISTED = "which is not a file of its folder", "which is not a file of the checkpoint's folder"
+THIRD_LAYER = (
+    "has tensors the model does not: model.transformer.h.2.attn.c_attn.bias, model.transformer.h.2.attn."
+    "c_attn.weight, model.transformer.h.2.attn.c_proj.bias (9 more)"
+)
+FOREIGN = ", ".join(
+    f"optimizer.state.transformer.h.7.attn.c_attn.weight.{s}" for s in ("exp_avg", "exp_avg_sq", "step")
+)
+
+
+def test_a_checkpoint_that_reads_beyond_its_files_or_holds_another_model_is_set_aside(trusted, tmp_path):
+    """One resume meets each case in turn, newest first, and falls back through them all to step_4. A FIFO
+    that were opened would hang it: the launch's timeout fails the test instead. Each problem is named after
+    the step folder's path and a slash, or after "manifest.json"."""
+    state = three_layers(trusted)
+    cases = [
+        (locate(WTE, relative_path="../step_2/__0_0.distcp"), "forged",
+         f".metadata is refused: its entry for {WTE} names '../step_2/__0_0.distcp', {OUTSIDE}"),
+        (locate(LR, relative_path="/dev/zero", length=3 << 30), "forged",
+         f".metadata is refused: its entry for {LR} names '/dev/zero', {OUTSIDE}"),
+        (pipe_named_by_entries, "forged",
+         f".metadata is refused: its entry for {WTE} lies in pipe, which manifest.json does not list"),
+        (shard_made_a_pipe, None, "__0_0.distcp is a FIFO, not a regular file"),
+        (pipe_in_manifest, "notes", "notes is a FIFO, not a regular file"),
+        (another_model_sharded(state), "forged", f".metadata {THIRD_LAYER}"),
+        (another_model_full(state), "forged", f"state_dict.pt {THIRD_LAYER}"),
+        (unlisted_full_state(state), None,
+         "state_dict.pt is not listed in manifest.json, so it is not checked"),
+        (changed_metadata(resized), "forged",
+         f".metadata has {WTE} of shape [600, 256], the model's is [512, 256]"),
+        (changed_metadata(as_bytes), "forged",
+         f".metadata has {WPE} as a pickled value, where the model has a tensor of shape [256, 256]"),
+        (changed_metadata(foreign_optimizer_state), "forged",
+         f".metadata has optimizer state of parameters the model does not have: {FOREIGN}"),
+        (locate(WTE, offset=-1), "forged",
+         f".metadata is refused: its entry for {WTE} has offset -1 and length 525865, not byte counts"),
+        (locate(WTE, length=1 << 50), "forged",
+         f".metadata is refused: its entry for {WTE} reads bytes 33746 to 1125899906876370 of __0_0.distcp, "
+         "which has 22055915"),
+        (unknown_layout, "forged", ".metadata is refused, not unpickled: KeyError: 'torch.unknown'"),
+        (raw_metadata(b"\x80\x04\x8e" + (1 << 40).to_bytes(8, "little") + b"x."), "forged",
+         ".metadata is refused, not unpickled: EOFError"),  # 2**40 bytes declared, 2 there
+        (raw_metadata(pickle.dumps(collections.OrderedDict())), "forged",
+         ".metadata is refused: it holds OrderedDict, not DCP's Metadata"),
+        (raw_metadata(pickle.dumps(pathlib.PosixPath("/etc"))), "forged",
+         ".metadata is refused: it holds PosixPath, not DCP's Metadata"),
+        (raw_metadata(BUILD_ON_METADATA_CLASS), "forged",
+         ".metadata is refused, not unpickled: it sets attributes of Metadata, which checkpoint metadata "
+         "never does"),
+        (lambda step: None, "../step_2/__0_0.distcp",
+         f"manifest.json lists '../step_2/__0_0.distcp', {LISTED}"),
+        (lambda step: None, "/etc/hostname", f"manifest.json lists '/etc/hostname', {LISTED}"),
+    ]  # fmt: skip
+    folder, steps = tampered_run(trusted, tmp_path, [case[:2] for case in cases])
+    args = [f"--log_dir={folder}", f"--checkpoint_dir={folder}", *RUN, "--max_steps=6"]
+    result = launch("train.py", args, nproc=0, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: checkpoint")]
+    expected = []
+    for step, previous, (_, _, problem) in zip(steps, [folder / "r" / "step_4", *steps], cases):
+        named = problem if problem.startswith(MANIFEST) else f"{step}/{problem}"
+        expected.append(f"warning: checkpoint {step} is unusable: {named}; falling back to {previous}")
+    assert warnings == expected[::-1]
+    assert f"resumed from {folder}/r/step_4 at step 4" in result.stdout
+
+
+def test_export_and_sample_refuse_a_checkpoint_beyond_its_files_or_of_another_model(
+    trusted, tmp_path, capsys
+):
+    """--export_from checks the tensors as it loads them, against the model the checkpoint's own trainer state
+    describes: the sharded checkpoint's in the load itself, the full one's before."""
+    import train as train_script
+
+    state = three_layers(trusted)
+    cases = [
+        (locate(WTE, relative_path="../step_2/__0_0.distcp"), "forged"),
+        (shard_made_a_pipe, None),
+        (another_model_sharded(state), "forged"),
+        (another_model_full(state), "forged"),
+    ]
+    _, (outside, pipe, sharded, full) = tampered_run(trusted, tmp_path, cases)
+    signal.alarm(60)  # a FIFO that were opened would hang the test
+    try:
+        for step, problem in (
+            (outside, f"{outside}/.metadata is refused: its entry for {WTE} names '../step_2/__0_0.distcp'"),
+            (pipe, f"{pipe}/__0_0.distcp is a FIFO, not a regular file"),
+            (sharded, f"{sharded}/.metadata {THIRD_LAYER}"),
+            (full, f"{full}/state_dict.pt {THIRD_LAYER}"),
+        ):
+            with pytest.raises(SystemExit) as exit_info:
+                train_script.main([f"--export_from={step}"])
+            assert exit_info.value.code == 2
+            [line] = capsys.readouterr().err.strip().splitlines()
+            assert line.startswith(f"error: --export_from={step} is unusable: {problem}"), line
+            assert not (step.parent / f"export_{step.name}").exists()
+    finally:
+        signal.alarm(0)
+    sampled = launch("sample.py", [f"--init_from={sharded}", "--max_new_tokens=2"], nproc=0, timeout=120)
+    assert sampled.returncode == 2
+    assert sampled.stderr.strip().startswith(
+        f"error: --init_from={sharded} is unusable: {sharded}/.metadata {THIRD_LAYER}"
+    )
+    assert "Traceback" not in sampled.stderr
+
+
+def test_a_pickle_that_sets_attributes_of_an_admitted_class_changes_nothing(tmp_path):
+    (tmp_path / ".metadata").write_bytes(BUILD_ON_METADATA_CLASS)
+    with pytest.raises(UnsafeFile, match="it sets attributes of Metadata"):
+        read_metadata(tmp_path)
+    assert Metadata.version is None  # the class default the pickle set to "x", for the whole process
+
+
+def test_sample_refuses_a_config_of_another_model_and_a_seed_out_of_range(trusted, tmp_path, capsys):
+    """An exported folder whose config.json has a layer more than its weights (transformers would fill it with
+    random values and warn), or another vocabulary (a traceback)."""
+    import sample
+
+    exported = trusted / "r" / "final_model"
+    cases = [
+        ({"n_layer": 3}, "its weights lack tensors its config.json asks for: transformer.h.2.attn.c_attn."
+                         "bias"),
+        ({"vocab_size": 600}, "its weights hold transformer.wte.weight of shape [512, 256], and its config."
+                              "json asks for [600, 256]"),
+    ]  # fmt: skip
+    for change, problem in cases:
+        folder = tmp_path / next(iter(change))
+        shutil.copytree(exported, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(SystemExit) as exit_info:
+            sample.main([f"--init_from={folder}", "--max_new_tokens=2"])
+        assert exit_info.value.code == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: --init_from={folder}: {problem}"), line
+        assert line.endswith(
+            "the two are of different models: give the config.json its weights were exported with"
+        )
+    with pytest.raises(SystemExit) as exit_info:
+        sample.main([f"--init_from={exported}", f"--seed={10**23}"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --seed={10**23} is out of range: give a whole number from 0 to 18446744073709551615"
+    )
