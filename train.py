@@ -48,6 +48,7 @@ from run.checkpoints import Checkpointer
 from run.curves import plot_run
 from run.hub import use_cache_if_hub_unreachable
 from run.loss import linear_cross_entropy
+from run.plan import has_auto, settle
 from run.profiler import StepProfiler
 from run.progress import Progress, print_start
 from run.stragglers import StragglerWatch
@@ -65,7 +66,7 @@ n_positions: int | None = None      # longest sequence the model can take
 vocab_size: int | None = None       # dummy data draws from it; real data: the tokenizer's size
 # Data and batch
 data: str = "dummy"                 # dummy | wikitext | c4 | hf:NAME[:CONFIG] | a file or folder (docs/DATA)
-batch_size: int = 8                 # sequences per device per micro-step
+batch_size: int | str = 8           # sequences per device per micro-step | auto: the fastest that fits
 seq_length: int | None = None       # tokens per sequence; None: the model's n_positions
 global_batch_size: int = 256        # sequences per optimizer step, whatever the number of processes
 num_epochs: int = 1
@@ -85,9 +86,11 @@ weight_decay: float = 0.1
 grad_clip: float = 1.0              # 0 disables clipping (the norm is still logged)
 seed: int = 1337
 # Parallelism and speed
-sharding: str = "full"              # full | grad_op | hybrid | ddp: FSDP2 or DDP
+sharding: str = "full"              # full | grad_op | hybrid | ddp (FSDP2 or DDP) | auto: the fastest fit
+shard_group_size: int | None = None # hybrid: the ranks sharing one copy of the model; None: a node's
 cpu_offload: bool = False           # FSDP keeps parameters, gradients and optimizer state in CPU memory
 activation_checkpointing: str = "op"  # none | full | op (saves chosen op outputs) | selective (see ac_every)
+                                    #   | auto: the fastest that fits
 ac_every: int = 2                   # selective checkpoints layers ac_every, 2·ac_every, ...
 compile: bool = True                # torch.compile each transformer block
 mixed_precision: str = "auto"       # bf16 (compute; fp32 weights and reduction) | fp32 | auto: bf16 on GPU
@@ -114,9 +117,12 @@ plot: str | None = None             # a run folder (<log_dir>/<run_name>): write
 export_from: str | None = None      # a step_N checkpoint: write export_step_N beside it, then exit
 check_only: bool = False            # check the options, print the log folder, exit (the job script)
 dry_run: bool = False               # simulate training steps on fake tensors: peak memory per GPU, FLOPs
+plan: bool = False                  # dry run: every way to run this that fits, predicted, fastest first
 world_size: int | None = None       # dry run: the world size simulated; None: $WORLD_SIZE, else 8
 gpus_per_node: int = 8              # dry run: GPUs per node, for --sharding=hybrid
-gpu: str = "H100"                   # dry run: a GPU of common/datasheet.py, or its memory in GB
+gpu: str = "H100"                   # dry run: a GPU of common/datasheet.py, its memory in GB, or cpu
+benchmark_report: str | None = None # dry run: predict the step from this report; None: the newest of --gpu
+                                    #   under log_dir, else this CPU timed now (--gpu=cpu) or the datasheet
 # When a run misbehaves (docs/SLURM.md): a watchdog per rank, and a profiler on demand
 hang_minimum_s: float = 300.0       # watchdog: no optimizer step for max(this, hang_factor x median step
 hang_factor: float = 10.0           #   time) is a hang: stacks to the run's log folder, one line, exit HUNG
@@ -125,6 +131,8 @@ eval_limit_s: float = 900.0         # an evaluation taking longer is a hang too
 exclude_stragglers_after: int = 0   # log windows in a row a node is the straggler before the run stops to
                                     #   leave it out (slurm_submit.sh requeues without it); 0: warn only
 profile_steps: str | None = None    # A,B: torch.profiler traces steps A to B (as logged) of rank 0
+predict: bool = True                # before training, predict the step on this device (docs/PERFORMANCE.md)
+                                    #   and hold each log window's step against it
 # fmt: on
 
 # Each option above either changes what a run computes or only how the run is operated. The default
@@ -135,15 +143,17 @@ profile_steps: str | None = None    # A,B: torch.profiler traces steps A to B (a
 NAMES_THE_RUN = (
     "model", "init_from", "n_embd", "n_layer", "n_head", "n_positions", "vocab_size", "data", "batch_size",
     "seq_length", "global_batch_size", "tokenizer", "text_column", "val_fraction", "lr", "min_lr",
-    "warmup_steps", "weight_decay", "grad_clip", "seed", "sharding", "cpu_offload",
+    "warmup_steps", "weight_decay", "grad_clip", "seed", "sharding", "shard_group_size", "cpu_offload",
     "activation_checkpointing", "ac_every", "compile", "mixed_precision", "ckpt_format",
 )
 OPERATES_THE_RUN = (
     "num_epochs", "max_steps", "data_cache", "prepare_only", "eval_every", "eval_batches", "checkpoint_dir",
     "run_name", "checkpoint_every", "node_mtbf_hours", "keep_last", "async_checkpoint", "resume_from",
     "skip_optimizer", "max_bad_steps", "log_every", "log_dir", "tensorboard", "curves", "wandb", "plot",
-    "export_from", "check_only", "dry_run", "world_size", "gpus_per_node", "gpu", "hang_minimum_s",
+    "export_from", "check_only", "dry_run", "plan", "world_size", "gpus_per_node", "gpu", "benchmark_report",
+    "hang_minimum_s",
     "hang_factor", "checkpoint_limit_s", "eval_limit_s", "exclude_stragglers_after", "profile_steps",
+    "predict",
 )
 # fmt: on
 
@@ -170,13 +180,17 @@ def main(argv):
         imports_done()
         if args.prepare_only:
             return prepare_data(args, tokenizer)
-        if args.dry_run:
+        if args.dry_run or args.plan:
             return simulation.report_dry_run(args, shape, model_config, meta_model, training_path())
         launch.check_machine_holds(args, meta_model)
         stop_requests = stops.StopRequests()
         signals = stops.StopSignals(stop_requests)
         run_dir, log_folder, lock = launch.make_run_folders(args)
         start_time = time.perf_counter()
+        if has_auto(args):  # decided once for the run, by rank 0, and kept in its log folder
+            choose = functools.partial(choose_auto, args, model_config, meta_model)
+            settle(args, log_folder, int(os.environ.get("RANK", 0)), choose)
+        own_step = trace_own_step(args, model_config, meta_model) if args.predict else None
         device, rank, world_size, mesh = launch.setup_distributed(args, log_folder)
         accumulation = args.global_batch_size // (args.batch_size * world_size)
         batches, validation_batches, epoch_steps = open_batches(
@@ -199,6 +213,7 @@ def main(argv):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args, total_steps))
     model_flops = flops_per_token(meta_model, model_config, args.seq_length)
     progress = Progress(args, model_flops, device, total_steps, start_time, log_folder)
+    live = simulation.predict_own_step(args, own_step, device, world_size, model_flops) if own_step else None
     benchmark_s = float(os.environ.get("BENCHMARK_SECONDS", 0))  # the job's benchmarks, before this launch
     ledger = goodput.Ledger(log_folder, goodput.launch_start(), benchmark_s, rank == 0)
     stragglers = StragglerWatch(decoder_layers(model), args, device, log_folder, stop_requests)
@@ -230,7 +245,12 @@ def main(argv):
                 val_loss = evaluate(model, validation_batches(), args.eval_batches, world_size)
         if step % args.log_every == 0 or step == total_steps or val_loss is not None:
             checkpointer.schedule.choose(progress.mean_step_s)
-            progress.log(val_loss, stragglers.log_window(progress.timed_steps))
+            fields = stragglers.log_window(progress.timed_steps)
+            if live:  # rank 0's
+                fields |= ledger.against_prediction(
+                    live.log_window(progress.mean_step_s, stragglers.per_step)
+                )
+            progress.log(val_loss, fields)
             ledger.write()
         stopped = stop and step < total_steps  # a stop asked for at the last step changes nothing
         if checkpointer.due(step, last=step == total_steps or stopped):
@@ -255,6 +275,27 @@ def complete_and_check(args):
     options.complete(args, shape, NAMES_THE_RUN)
     options.validate(args, shape, parse_source(args)[0])
     return shape
+
+
+def choose_auto(args, model_config, meta_model):
+    """Rank 0's choice for the auto options: the fastest way to run that fits its device, timed there."""
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    return simulation.choose_on_this_device(args, model_config, n_params, training_path(), device)
+
+
+def trace_own_step(args, model_config, meta_model):
+    """Rank 0 traces this run's step on fake tensors, before any process group exists (a fake one stands in
+    for it), for predict_own_step to time on the device once it is set up."""
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    n_params = sum(p.numel() for p in meta_model.parameters())
+    on_gpu = torch.cuda.is_available()
+    path = training_path()
+    return simulation.trace_own_step(args, model_config, n_params, path, world_size, ranks_per_node, on_gpu)
 
 
 def report_checked(log_folder):

@@ -53,7 +53,7 @@ class Ledger:
 
     def __init__(self, folder, started, benchmark_s=0.0, master=True):
         self.path, self.writable, self.master = os.path.join(folder, LEDGER), master, master
-        self.started, self.first_step_done = started, False
+        self.started, self.first_step_done, self.prediction = started, False, None
         self.totals = {part: 0.0 for part in PARTS} | {"lost_steps": 0, "launches": 0}
         began = started - benchmark_s  # the job's benchmarks came before this launch, in the run's time
         self.marks = {"first_start": began, "updated": began, "step": 0, "at_checkpoint": {}}
@@ -114,6 +114,13 @@ class Ledger:
             yield
             self.marks["at_checkpoint"][str(step)] = self.totals["productive_s"]
 
+    def against_prediction(self, fields):
+        """The live step against its prediction (run/live_prediction.py): kept as the ledger's latest, and
+        handed on to the log record."""
+        if fields:
+            self.prediction = {key: fields[key] for key in ("predicted_step_s", "vs_predicted")}
+        return fields
+
     def stalled(self):
         """A hang: from the last update to now."""
         now = time.time()
@@ -132,7 +139,7 @@ class Ledger:
         warning."""
         now = now or time.time()
         self.marks["updated"] = now
-        text = json.dumps({**self.figures(now), "marks": self.marks}, indent=1)
+        text = json.dumps({**self.figures(now), "prediction": self.prediction, "marks": self.marks}, indent=1)
         try:
             if self.writable:
                 write_atomically(self.path, text + "\n")

@@ -228,10 +228,13 @@ def warn_if_bf16_is_slow():
 
 
 def device_mesh(args, device_type, world_size, local_world_size):
-    """One dimension, or (replicate, shard) over nodes for --sharding=hybrid."""
+    """One dimension, or for --sharding=hybrid (replicate, shard): groups of --shard_group_size ranks (a
+    node's by default) each hold one copy of the model, sharded."""
     if args.sharding == "hybrid":
-        shape = (world_size // local_world_size, local_world_size)
-        return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
+        group = args.shard_group_size or local_world_size
+        return init_device_mesh(
+            device_type, (world_size // group, group), mesh_dim_names=("replicate", "shard")
+        )
     return init_device_mesh(device_type, (world_size,))
 
 

@@ -16,11 +16,12 @@ import torch
 
 from common.datasheet import datasheet
 from common.errors import ConfigError
+from common.node import available_memory_bytes
 
 CHOICES = {
-    "sharding": ("full", "grad_op", "hybrid", "ddp"),
+    "sharding": ("full", "grad_op", "hybrid", "ddp", "auto"),
     "ckpt_format": ("sharded", "full"),
-    "activation_checkpointing": ("none", "full", "op", "selective"),
+    "activation_checkpointing": ("none", "full", "op", "selective", "auto"),
     "mixed_precision": ("auto", "bf16", "fp32"),
 }
 
@@ -43,7 +44,8 @@ def complete(args, shape, names_the_run):
     if args.seq_length is None:
         args.seq_length = shape.n_positions
     if args.mixed_precision == "auto":
-        args.mixed_precision = "bf16" if args.dry_run or torch.cuda.is_available() else "fp32"
+        gpu_simulated = args.dry_run and args.gpu != "cpu"
+        args.mixed_precision = "bf16" if gpu_simulated or torch.cuda.is_available() else "fp32"
     if args.run_name is None:
         identity = {name: getattr(args, name) for name in names_the_run}
         digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
@@ -80,10 +82,9 @@ def check_ranges(args, shape):
     """Each value out of range is its own line, all of them at once."""
     problems = [f"--{name} must be positive, got {getattr(shape, name)}" for name in shape.names
                 if getattr(shape, name) <= 0]  # fmt: skip
-    if args.checkpoint_every != "auto" and not isinstance(args.checkpoint_every, int):
-        problems.append(
-            f"--checkpoint_every must be a number of steps or auto, got {args.checkpoint_every!r}"
-        )
+    for name in ("checkpoint_every", "batch_size"):
+        if getattr(args, name) != "auto" and not isinstance(getattr(args, name), int):
+            problems.append(f"--{name} must be a number or auto, got {getattr(args, name)!r}")
     problems += [f"--{name} must be positive, got {getattr(args, name)}" for name in POSITIVE
                  if isinstance(getattr(args, name), (int, float)) and getattr(args, name) <= 0]  # fmt: skip
     problems += [f"--{name} must not be negative, got {getattr(args, name)}" for name in NOT_NEGATIVE
@@ -143,14 +144,20 @@ def check_combinations(args, shape):
     world_size = launched_world_size(args)
     if world_size <= 0:
         raise ConfigError(f"--world_size must be positive, got {world_size}")
-    per_micro_step = args.batch_size * world_size
+    per_micro_step = (1 if args.batch_size == "auto" else args.batch_size) * world_size
     if args.global_batch_size % per_micro_step:
         raise ConfigError(
             f"--global_batch_size={args.global_batch_size} is not divisible by batch_size x world "
             f"size = {args.batch_size} x {world_size}; use a multiple of {per_micro_step}"
         )
     node_size = args.gpus_per_node if args.dry_run else int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    if args.sharding == "hybrid" and world_size % node_size:
+    group = args.shard_group_size
+    if group is not None and (args.sharding != "hybrid" or group <= 0 or world_size % group):
+        raise ConfigError(
+            f"--shard_group_size={group} needs --sharding=hybrid and a positive divisor of the world size "
+            f"({world_size})"
+        )
+    if args.sharding == "hybrid" and not group and world_size % node_size:
         raise ConfigError(
             f"--sharding=hybrid needs the same number of processes on every node "
             f"({world_size} over nodes of {node_size})"
@@ -287,7 +294,10 @@ def check_trackers(args):
 
 
 def gpu_memory_gb(gpu):
-    """--gpu as (its name, its memory in GB): a name of the GPU datasheet, or a number of GB."""
+    """--gpu as (its name, its memory in GB): a name of the GPU datasheet, a number of GB, or cpu: this
+    machine's CPU and its available memory."""
+    if gpu == "cpu":
+        return "this machine's CPU", available_memory_bytes() / 1e9
     memory = None
     with contextlib.suppress(ValueError):
         memory = float(gpu)
@@ -299,7 +309,7 @@ def gpu_memory_gb(gpu):
     if sheet is None:
         raise ConfigError(
             f"--gpu={gpu} is not in the GPU datasheet (common/datasheet.py); give its memory in GB, "
-            "e.g. --gpu=80"
+            "e.g. --gpu=80, or --gpu=cpu for this machine's CPU"
         )
     return gpu, sheet["memory_GB"]
 

@@ -5,6 +5,7 @@ nearest change that fits when it does not."""
 import copy
 import dataclasses
 import itertools
+import os
 import time
 import types
 from collections.abc import Callable
@@ -12,8 +13,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from common.datasheet import datasheet
+from common.node import available_memory_bytes
+from run.curves import duration
 from run.launch import device_mesh
+from run.live_prediction import LivePrediction
+from run.machines import Report, ThisDevice, machine_for, processes_here, read_report
 from run.options import gpu_memory_gb, launched_world_size
+from run.plan import fastest, has_auto, plan, print_plan
+from run.predict import StepRecorder, phases, play, with_accumulation
 from run.progress import describe_model
 from run.stops import StopRequests
 
@@ -51,6 +59,11 @@ OFFLOAD_ESTIMATE = (
     "and optimizer state, which offloading keeps in host memory"
 )
 
+PREDICTION_BLIND_SPOTS = (
+    "compiled blocks fuse what eager runs as several operations (a compiled step is faster than predicted); "
+    "the first step's compilation; data loading; collectives of several streams sharing links"
+)
+
 SIMULATION_BLIND_SPOTS = (
     "allocator fragmentation, NCCL buffers and the CUDA context (leave a few GB); CPU SDPA stands in "
     "for flash attention (both keep the same tensors); blocks run eager, where compiled ones keep "
@@ -58,10 +71,12 @@ SIMULATION_BLIND_SPOTS = (
 )
 
 
-def simulate_peak_memory(args, model_config, world_size, training):
-    """Peak bytes per GPU by category over one optimizer step, the second of two (the first allocates the
-    optimizer state, and fake DTensors allocate extra once). Two micro-steps stand for any accumulation:
-    with gradients reduce-scattered every micro-step, the third looks like the second."""
+def simulate_step(args, model_config, world_size, training, ranks_per_node, fused):
+    """One optimizer step, the second of two (the first allocates the optimizer state, and fake DTensors
+    allocate extra once), on fake tensors: peak bytes per GPU by category, and the step's events as one rank
+    runs them (run/predict.py). Two micro-steps stand for any accumulation: with gradients reduce-scattered
+    every micro-step, the third looks like the second. ranks_per_node: to tell collectives inside a node from
+    those between nodes; fused: AdamW's fused kernels (a GPU's) or its foreach ones."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -76,12 +91,13 @@ def simulate_peak_memory(args, model_config, world_size, training):
         with FakeTensorMode():
             device = torch.device("cpu")
             model = training.build_model(model_config, simulated, device, mesh)
-            optimizer = training.build_optimizer(model, args, fused=True)
+            optimizer = training.build_optimizer(model, args, fused=fused)
             tokens = torch.randint(0, model_config.vocab_size, (args.batch_size, args.seq_length))
             batches = itertools.repeat((tokens, tokens))
             training.train_step(model, batches, optimizer, 1, args.grad_clip, StopRequests())
-            tracker = FSDPMemTracker(model, optimizer)
-            with tracker:
+            tracker, recorder = FSDPMemTracker(model, optimizer), StepRecorder(ranks_per_node)
+            recorder.watch_layers(training.decoder_layers(model))
+            with tracker, recorder:
                 # The tracker takes a second forward of the root for a second iteration; a micro-step is not.
                 hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
                 training.train_step(model, batches, optimizer, accumulation, args.grad_clip, StopRequests())
@@ -94,23 +110,27 @@ def simulate_peak_memory(args, model_config, world_size, training):
         for device_snapshot in snapshot.values()
         for kind, size in device_snapshot.items()
     }
-    return {name: sum(by_kind.get(kind, 0) for kind in kinds) for name, kinds in MEMORY_CATEGORIES.items()}
+    memory = {name: sum(by_kind.get(kind, 0) for kind in kinds) for name, kinds in MEMORY_CATEGORIES.items()}
+    return memory, phases(recorder.events)
 
 
-def peak_gb(args, model_config, world_size, n_params, training):
-    """Peak per GPU in GB by category. DDP's replicas cannot be faked (DDP reads its parameters' data), and
-    CPU tensors on a CPU cannot be told apart from GPU ones: both are estimated from a simulation (see
-    DDP_ESTIMATE and OFFLOAD_ESTIMATE)."""
+def simulate(args, model_config, world_size, n_params, training, ranks_per_node=None, fused=None):
+    """Peak per GPU in GB by category, and the step's events (run/predict.py), for the dry run's target (a GPU
+    of --gpus_per_node a node, with fused AdamW; or --gpu=cpu) unless ranks_per_node and fused say. DDP's
+    replicas cannot be faked (DDP reads its parameters' data), and CPU tensors on a CPU cannot be told apart
+    from GPU ones: both are estimated from a simulation (see DDP_ESTIMATE and OFFLOAD_ESTIMATE)."""
+    ranks_per_node = ranks_per_node or min(args.gpus_per_node, world_size)
+    fused = args.gpu != "cpu" if fused is None else fused
     if args.sharding == "ddp":
-        memory = simulate_peak_memory(
-            types.SimpleNamespace(**dict(vars(args), sharding="full")), model_config, 1, training
+        memory, events = simulate_step(
+            types.SimpleNamespace(**dict(vars(args), sharding="full")), model_config, 1, training, 1, fused
         )
         memory["gradients"] += 4 * n_params
     else:
-        memory = simulate_peak_memory(args, model_config, world_size, training)
+        memory, events = simulate_step(args, model_config, world_size, training, ranks_per_node, fused)
     if args.cpu_offload:
         memory.update({name: 0 for name in OFFLOADED})
-    return {name: size / 1e9 for name, size in memory.items()}
+    return {name: size / 1e9 for name, size in memory.items()}, events
 
 
 def hardware_flops_per_token(args, layer, model_config, model_flops):
@@ -157,6 +177,14 @@ def report_dry_run(args, shape, model_config, meta_model, training):
     gpu_name, gpu_gb = gpu_memory_gb(args.gpu)
     world_size = launched_world_size(args)
     n_params = describe_model(args, shape, model_config, meta_model)
+    if args.plan or has_auto(args):
+        started, machine = time.perf_counter(), machine_for(args, world_size)
+        rows = plan(args, model_config, world_size, n_params, training, machine, gpu_gb, simulate)
+        if args.plan:
+            return print_plan(rows, args, world_size, machine, gpu_gb, started)
+        vars(args).update(fastest(rows))
+        print(f"chose: --sharding={args.sharding} --activation_checkpointing={args.activation_checkpointing} "
+              f"--batch_size={args.batch_size} (the fastest that fits)")  # fmt: skip
     model_flops = training.flops_per_token(meta_model, model_config, args.seq_length)
     layer = training.decoder_layers(meta_model)[0]
     hardware_flops = hardware_flops_per_token(args, layer, model_config, model_flops)
@@ -165,7 +193,7 @@ def report_dry_run(args, shape, model_config, meta_model, training):
         f"G computed with recomputation: at most {model_flops / hardware_flops:.0%} MFU"
     )
     started = time.perf_counter()
-    memory = peak_gb(args, model_config, world_size, n_params, training)
+    memory, events = simulate(args, model_config, world_size, n_params, training)
     total = sum(memory.values())
     print(
         f"simulated one training step on fake tensors: world size {world_size}, sharding={args.sharding}, "
@@ -183,10 +211,11 @@ def report_dry_run(args, shape, model_config, meta_model, training):
     print(f"peak memory per GPU (simulated): {total:.1f} GB of {target}")
     if total <= gpu_gb:
         print(f"verdict: fits, {gpu_gb - total:.1f} GB to spare")
+        report_prediction(args, events, world_size, model_flops)
         return 0
     for change in changes_that_might_fit(args):
         candidate = types.SimpleNamespace(**{**vars(args), **change})
-        peak = sum(peak_gb(candidate, model_config, world_size, n_params, training).values())
+        peak = sum(simulate(candidate, model_config, world_size, n_params, training)[0].values())
         if peak <= gpu_gb:
             flags = " ".join(f"--{name}={value}" for name, value in change.items())
             print(f"verdict: does not fit; fits with {flags} (simulated {peak:.2f} GB)")
@@ -194,3 +223,66 @@ def report_dry_run(args, shape, model_config, meta_model, training):
     tried = "full activation checkpointing, batch_size 1, cpu_offload"
     print(f"verdict: does not fit, and no change tried fits ({tried}): use more GPUs or a smaller model")
     return 1
+
+
+def report_prediction(args, events, world_size, model_flops):
+    """The dry run's prediction of the step (run/predict.py) on the machine the options name."""
+    accumulation = args.global_batch_size // (args.batch_size * world_size)
+    events = with_accumulation(events, min(2, accumulation), accumulation)
+    started = time.perf_counter()
+    machine = machine_for(args, world_size)
+    peak = datasheet(args.gpu) if args.gpu != "cpu" else None
+    return print_prediction(args, play(events, machine), machine, world_size, model_flops, peak, started)
+
+
+def print_prediction(args, prediction, machine, world_size, model_flops, peak, started):
+    """The predicted step and its parts, tokens/s per device, MFU over the datasheet peak, the time to
+    --max_steps, and what the prediction cannot see."""
+    print(f"{prediction.line()} (on {machine.name}, {time.perf_counter() - started:.0f} s)")
+    tokens = args.global_batch_size * args.seq_length / world_size / prediction.step_s
+    mfu = f", MFU {model_flops * tokens / (peak['bf16'] * 1e12):.1%}" if peak and peak.get("bf16") else ""
+    steps = f"; {args.max_steps} steps in {duration(args.max_steps * prediction.step_s)}"
+    print(f"predicted: {tokens:,.0f} tokens/s per device{mfu}{steps if args.max_steps > 0 else ''}")
+    for note in [*prediction.notes, PREDICTION_BLIND_SPOTS]:
+        print(f"not predicted: {note}")
+    return prediction
+
+
+def trace_own_step(args, model_config, n_params, training, world_size, ranks_per_node, on_gpu):
+    """This run's own step, traced on fake tensors before its process group exists (rank 0's, to hold the
+    live step against): its events, with its accumulation."""
+    accumulation = args.global_batch_size // (args.batch_size * world_size)
+    _, events = simulate(args, model_config, world_size, n_params, training, ranks_per_node, fused=on_gpu)
+    return with_accumulation(events, min(2, accumulation), accumulation)
+
+
+def predict_own_step(args, events, device, world_size, model_flops):
+    """This run's step on its own device, each distinct operation timed there now, and collectives at the
+    figures of the job's benchmark report ($BENCHMARK_REPORT, or --benchmark_report): a LivePrediction."""
+    started = time.perf_counter()
+    path = os.environ.get("BENCHMARK_REPORT") or args.benchmark_report
+    report = Report(path, read_report(path)) if path else None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    machine = ThisDevice(device, processes_here(report, local), report)
+    peak = datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    prediction = print_prediction(
+        args, play(events, machine), machine, world_size, model_flops, peak, started
+    )
+    return LivePrediction(prediction, prediction.layer_forward_s)
+
+
+def choose_on_this_device(args, model_config, n_params, training, rank_device):
+    """For a training run's auto options, before its process group: the fastest candidate that fits this
+    device's memory, each predicted with its operations timed on the device."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if rank_device.type == "cuda":
+        memory_gb = torch.cuda.get_device_properties(rank_device).total_memory / 1e9
+    else:
+        memory_gb = available_memory_bytes() / 1e9 / processes
+    targeted = types.SimpleNamespace(
+        **dict(vars(args), gpus_per_node=processes, gpu="cpu" if rank_device.type == "cpu" else args.gpu)
+    )
+    machine = ThisDevice(rank_device, processes)
+    rows = plan(targeted, model_config, world_size, n_params, training, machine, memory_gb, simulate)
+    return fastest(rows)

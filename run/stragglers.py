@@ -121,6 +121,7 @@ class StragglerWatch:
         names = [None] * self.world_size
         dist.all_gather_object(names, f"{node_name()}:{os.environ['LOCAL_RANK']}")
         self.stragglers = Stragglers(names, args.exclude_stragglers_after, self.exclude)
+        self.names, self.per_step = names, {}  # per_step: rank 0's {name: (compute s, data s)} a step
 
     def timed(self, batches):
         return self.rank_times.timed(batches)
@@ -132,7 +133,13 @@ class StragglerWatch:
     def log_window(self, timed_steps):
         """Every rank takes part; rank 0 returns the log record's fields, the others {}."""
         timings = self.rank_times.gather(self.world_size, self.master)
-        return self.stragglers.log_window(timings, timed_steps) if self.master else {}
+        if not self.master:
+            return {}
+        if timed_steps:
+            self.per_step = {
+                name: tuple(v / timed_steps for v in rank) for name, rank in zip(self.names, timings)
+            }
+        return self.stragglers.log_window(timings, timed_steps)
 
     def exclude(self, node, why):
         write_suspects(self.folder, "straggler", {node: why})

@@ -30,6 +30,7 @@ TINY = [
     "--warmup_steps=10",
     "--log_every=1",
     "--curves=False",  # matplotlib costs each run ~0.8 s of CPU; test_run_folder.py checks the curves
+    "--predict=False",  # tracing and timing the step costs each run seconds; test_predict.py checks it
 ]
 
 # For the tests that simulate a run with --dry_run, which refuses an older torch: on the GPU image's torch

@@ -139,7 +139,7 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
         (
             ["--checkpoint_every=often"],
             {},
-            "--checkpoint_every must be a number of steps or auto, got 'often'",
+            "--checkpoint_every must be a number or auto, got 'often'",
         ),
         (["--checkpoint_every=0"], {}, "--checkpoint_every must be positive, got 0"),
         (["--lr", "0.001"], {}, "--lr 0.001: write --lr=0.001 (options are written --name=value)"),

@@ -1,0 +1,116 @@
+"""The operations of a training step, as a dispatch mode records them on fake tensors (TensorMeta in place of
+each tensor), and their time on a real device: each distinct operation replayed on tensors of its shapes,
+dtypes and strides, warmed up, then timed in a sustained loop. The dry run times them on the machine it runs
+on; the benchmark (checks/model_timing.py) on every GPU of the cluster, where the job will train."""
+
+import dataclasses
+import hashlib
+import time
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+# A timed operation is called in a row until the calls last this long, after one call that warms it up.
+MIN_TIMED_SECONDS = 0.02
+MAX_CALLS = 4**6
+# More than the last-level cache of a CPU (tens of MB) or a GPU's L2 (50 MB on an H100).
+CACHE_BYTES = {"cpu": 128 << 20, "cuda": 256 << 20}
+MAX_COPIES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(value):
+        """value's TensorMeta if it is a tensor, else value itself."""
+        if isinstance(value, torch.Tensor):
+            return TensorMeta(tuple(value.shape), tuple(value.stride()), value.dtype)
+        return value
+
+    @property
+    def bytes(self):
+        return math_prod(self.shape) * self.dtype.itemsize
+
+    def materialize(self, device):
+        """A tensor of this shape, stride and dtype: random floats, zeros for integers (valid indices)."""
+        size = sum((n - 1) * s for n, s in zip(self.shape, self.stride)) + 1 if all(self.shape) else 0
+        storage = torch.zeros(size, dtype=self.dtype, device=device)
+        if self.dtype.is_floating_point:
+            storage.uniform_(0.5, 1.5)  # positive and away from 0: no NaN from sqrt or log, no denormals
+        return storage.as_strided(self.shape, self.stride)
+
+
+def math_prod(values):
+    result = 1
+    for value in values:
+        result *= value
+    return result
+
+
+def describe(args, kwargs):
+    """Arguments as text, tensors by shape and dtype: what tells two calls of one operation apart."""
+
+    def text(value):
+        if isinstance(value, TensorMeta):
+            return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+        return repr(value)
+
+    return ", ".join(text(leaf) for leaf in tree_leaves((args, kwargs)))
+
+
+def signature(name, args, kwargs):
+    """A short key for an operation at its arguments: the op's name and a digest of what describe() says."""
+    digest = hashlib.sha1(describe(args, kwargs).encode()).hexdigest()[:12]
+    return f"{name} {digest}"
+
+
+def resolve(name):
+    """torch.ops' operation from its name, e.g. aten.mm.default."""
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def time_operation(name, args, kwargs, device):
+    """Seconds of one call of the operation on tensors of its shapes on device, or None when it cannot be
+    replayed alone (an argument it cannot be given, such as a process group). After a warm-up call, calls in
+    a row, 1, 4, 16 ..., until they last MIN_TIMED_SECONDS, timed as a whole (the device's own queue stays
+    full, as in a step). The calls take turns over copies of the arguments that together outgrow the
+    caches, so that each reads its inputs from memory, as the step's operations do."""
+    try:
+        op = resolve(name)
+        size = sum(leaf.bytes for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, TensorMeta))
+        copies = min(MAX_COPIES, max(1, -(-CACHE_BYTES[device.type] // max(size, 1))))
+        arguments = [tuple(tree_map(lambda v: materialize(v, device), x) for x in (args, kwargs))
+                     for _ in range(copies)]  # fmt: skip
+        op(*arguments[0][0], **arguments[0][1])
+        calls = 1
+        while True:
+            synchronize(device)
+            started = time.perf_counter()
+            for call in range(calls):
+                real_args, real_kwargs = arguments[call % copies]
+                op(*real_args, **real_kwargs)
+            synchronize(device)
+            seconds = time.perf_counter() - started
+            if seconds >= MIN_TIMED_SECONDS or calls >= MAX_CALLS:
+                return seconds / calls
+            calls *= 4
+    except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, NotImplementedError):
+        return None
+
+
+def materialize(value, device):
+    if isinstance(value, TensorMeta):
+        return value.materialize(device)
+    if isinstance(value, torch.device):
+        return device
+    return value
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,58 @@
+"""The live step held against its prediction (run/predict.py), at every log window after the first: the
+measured step over the predicted one, and the part that differs most, in the log line, the run's records
+(TensorBoard, W&B, metrics.jsonl) and the goodput ledger. A run slower than SLOW_RATIO times its prediction
+warns in one line naming that part, once, and again only if the gap grows by GROWTH more."""
+
+SLOW_RATIO = 1.25
+GROWTH = 0.25
+
+
+class LivePrediction:
+    """prediction: the Prediction of this run's step on this machine; layer_forward_s: the part of it that
+    is the decoder layers' forward, which the ranks time themselves (run/stragglers.py's RankTimes)."""
+
+    def __init__(self, prediction, layer_forward_s):
+        self.prediction, self.layer_forward_s = prediction, layer_forward_s
+        self.windows, self.warned_ratio = 0, None
+
+    def log_window(self, step_s, rank_times):
+        """The record's fields for a log window of mean step time step_s; rank_times: {rank name: (compute s,
+        data wait s) per step}. {} for the first window (it holds the warm-up), or without a step time."""
+        self.windows += 1
+        if step_s is None or self.windows == 1:
+            return {}
+        predicted, parts = self.prediction.step_s, self.prediction.parts
+        slowest, (compute_s, data_s) = max(rank_times.items(), key=lambda item: item[1][0])
+        compute = sum(parts[name] for name in ("forward", "backward", "recomputation"))
+        # the step waits for its slowest rank, whose compute runs at this pace against the prediction's
+        compute_excess = compute * (compute_s / self.layer_forward_s - 1) if self.layer_forward_s else 0.0
+        differences = {
+            "compute": compute_excess,
+            "data loading": max(data_s for _, data_s in rank_times.values()),
+        }
+        differences["communication and the rest"] = step_s - predicted - sum(differences.values())
+        largest = max(differences, key=lambda name: abs(differences[name]))
+        ratio = step_s / predicted
+        fields = {"predicted_step_s": predicted, "vs_predicted": ratio, "largest_difference": largest,
+                  "largest_difference_s": differences[largest]}  # fmt: skip
+        if largest == "compute":
+            fields["slowest_rank"] = slowest
+        if ratio > SLOW_RATIO and (self.warned_ratio is None or ratio > self.warned_ratio + GROWTH):
+            self.warned_ratio = ratio
+            where = f" (slowest: {slowest}, computing {compute_s / self.layer_forward_s:.2f}x its prediction)"
+            print(
+                f"warning: steps take {ratio:.2f}x their predicted {predicted:.3g} s; the largest difference "
+                f"is {largest}, {differences[largest]:+.3g} s a step{where if largest == 'compute' else ''}",
+                flush=True,
+            )
+        return fields
+
+
+def describe(record):
+    """The log line's part: 'step 0.412 s = 1.31x predicted (compute +0.09 s)'."""
+    if "vs_predicted" not in record:
+        return ""
+    return (
+        f" | {record['vs_predicted']:.2f}x predicted ({record['largest_difference']} "
+        f"{record['largest_difference_s']:+.3g} s)"
+    )

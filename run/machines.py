@@ -1,0 +1,250 @@
+"""The machine a step is predicted on (run/predict.py): what each operation and collective costs there,
+whether its device runs collectives beside compute, and what the host spends issuing each operation. In
+order of faithfulness: a benchmark report's own timings of this model's operations and collectives
+(benchmark.py --model, which the job runs on its nodes); this device, each distinct operation timed now; a
+report's figures (matmul rate, memory bandwidth, busbw per collective and message size); a GPU's
+datasheet."""
+
+import bisect
+import os
+
+import torch
+
+from common.datasheet import datasheet
+from common.op_timing import time_operation
+
+# Of a datasheet's dense peak, what a GPU sustains: the best bf16 matmul the MAMF finder reaches on an H100
+# SXM (794.5 of 989.4 TFLOP/s) and a STREAM copy (2.90 of 3.35 TB/s): docs/PERFORMANCE.md, "Predicting".
+MAMF_OF_PEAK = 794.5 / 989.4
+COPY_OF_PEAK = 2.90 / 3.35
+# Without a report, the collectives of a GPU node: NVLink 4 ring busbw of 8 H100s (nccl-tests, NVLS off)
+# inside a node, one 400 Gb/s NIC per GPU between nodes (46 GB/s each).
+ASSUMED_BUSBW_GBPS = {"intra-node": 360.0, "inter-node": 46.0}
+KERNEL_LAUNCH_S = 5e-6  # the least a GPU kernel costs, from its launch
+HOST_ISSUE_S = 12e-6  # the host's time to issue one operation of an eager FSDP2 step (Python and dispatch)
+# The fraction of the data crossing the slowest link, by kind: nccl-tests' busbw factors.
+BUSBW_FACTORS = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+                 "reduce-scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}  # fmt: skip
+SWEEP_NAMES = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
+               "broadcast": "broadcast"}  # fmt: skip
+
+
+class Machine:
+    """overlaps: collectives run beside compute (a GPU's streams), or in turn with it (a CPU's cores);
+    issue_s: the host's time per operation; notes: what the costing could not see."""
+
+    overlaps, issue_s = True, HOST_ISSUE_S
+
+    def __init__(self, name):
+        self.name, self.notes, self.timed = name, [], {}
+
+    def seconds(self, event):
+        """(seconds, how they were found) of one event on this machine."""
+        if event.collective:
+            return self.collective_seconds(*event.collective)
+        if event.free:
+            return 0.0, "free (a view or an allocation)"
+        if event.key in self.timed:
+            return self.timed[event.key], "timed"
+        return self.roofline(event), "roofline"
+
+    def roofline(self, event):
+        raise NotImplementedError
+
+    def collective_seconds(self, kind, size, group, nodes):
+        raise NotImplementedError
+
+
+class Datasheet(Machine):
+    """A GPU known only by its datasheet: each operation the longer of its FLOPs at the achievable matmul rate
+    and its bytes at the achievable memory bandwidth; collectives at ASSUMED_BUSBW_GBPS."""
+
+    def __init__(self, gpu):
+        super().__init__(f"the datasheet of {gpu}")
+        sheet = datasheet(gpu)
+        self.flops_per_s = {torch.bfloat16: sheet["bf16"], torch.float16: sheet["bf16"],
+                            torch.float32: sheet["tf32"] or sheet["fp32"]}  # fmt: skip
+        self.flops_per_s = {dtype: rate * 1e12 * MAMF_OF_PEAK for dtype, rate in self.flops_per_s.items()}
+        self.bytes_per_s = sheet["memory_GBps"] * 1e9 * COPY_OF_PEAK
+        self.notes.append(f"costed from {self.name}, not measured: no benchmark report matches this GPU")
+
+    def roofline(self, event):
+        dtype = next(
+            (meta.dtype for meta in tensors_of(event) if meta.dtype.is_floating_point), torch.float32
+        )
+        compute = event.flops / self.flops_per_s.get(dtype, self.flops_per_s[torch.float32])
+        return max(compute, event.bytes / self.bytes_per_s, KERNEL_LAUNCH_S)
+
+    def collective_seconds(self, kind, size, group, nodes):
+        if group <= 1:
+            return 0.0, "a group of one"
+        busbw = ASSUMED_BUSBW_GBPS["inter-node" if nodes > 1 else "intra-node"] * 1e9
+        return size * BUSBW_FACTORS[kind](group) / busbw, "assumed busbw"
+
+
+class Report(Datasheet):
+    """A cluster's benchmark report: its own timings of this model's operations and collectives where it has
+    them (benchmark.py --model), else its figures: the GPUs' bf16 matmul rate and memory copy, each
+    collective's busbw at the message size, inside a node and between nodes; a CPU report's matmul and
+    memory figures. path: the report's YAML file, report: its content."""
+
+    def __init__(self, path, report):
+        Machine.__init__(self, f"benchmark report {path}")
+        self.report, self.device = report, report["world"]["device"]
+        model = report.get("model") or {}
+        self.timed = {key: row["seconds"] for key, row in (model.get("operations") or {}).items()}
+        self.measured_collectives = {(c["kind"], c["bytes"], c["group"], c["nodes"]): c["seconds"]
+                                     for c in model.get("collectives") or []}  # fmt: skip
+        gpus = [g for g in (report.get("gpu") or {}).values() if isinstance(g, dict) and "name" in g]
+        if gpus:
+            self.overlaps = True
+            rate = min(g["matmul_bf16_TFLOPS"] for g in gpus) * 1e12
+            self.flops_per_s = {torch.bfloat16: rate, torch.float16: rate, torch.float32: rate / 2}
+            self.bytes_per_s = min(g["copy_GB/s"] for g in gpus) * 1e9
+        else:  # a CPU: every core's matmul, and the memory copy of all cores, shared by the node's ranks
+            self.overlaps, self.issue_s = False, 0.0
+            per_node = report["world"]["ranks_per_node"]
+            cpu = next(iter(v for k, v in report["cpu"].items() if k != "aggregate"))
+            memory = next(iter(v for k, v in report["memory"].items() if k != "aggregate"))
+            rate = cpu["matmul_fp32_GFLOPS"] * 1e9 / per_node
+            self.flops_per_s = {torch.float32: rate, torch.bfloat16: rate, torch.float16: rate}
+            self.bytes_per_s = memory["copy_all_cores_GB/s"] * 1e9 / per_node
+
+    def collective_seconds(self, kind, size, group, nodes):
+        if group <= 1:
+            return 0.0, "a group of one"
+        if (kind, size, group, nodes) in self.measured_collectives:
+            return self.measured_collectives[(kind, size, group, nodes)], "timed"
+        sweep = self.sweep(kind, group, nodes)
+        if sweep is None:
+            return Datasheet.collective_seconds(self, kind, size, group, nodes)[0], "assumed busbw"
+        sizes = [row["size_bytes"] for row in sweep]
+        busbws = [row["busbw_GB/s"] * 1e9 for row in sweep]
+        at = min(max(bisect.bisect_left(sizes, size), 1), len(sizes) - 1)
+        # busbw between the two measured sizes around it, linear in the size; beyond the sweep, its last
+        low, high = sizes[at - 1], sizes[at]
+        weight = min(max((size - low) / (high - low), 0.0), 1.0)
+        busbw = busbws[at - 1] + weight * (busbws[at] - busbws[at - 1])
+        if size < sizes[0]:  # below the sweep a collective costs what its smallest did: its latency
+            return sweep[0]["time_us"] / 1e6, "report's busbw"
+        return size * BUSBW_FACTORS[kind](group) / busbw, "report's busbw"
+
+    def sweep(self, kind, group, nodes):
+        """The report's rows for a collective of this group: between nodes, the one-rank-per-node sweep for a
+        group of one rank a node, else the all-ranks one; inside a node, a node's own sweep."""
+        name, nccl, links = SWEEP_NAMES[kind], self.report.get("nccl") or {}, self.report.get("links") or {}
+        if nodes > 1 and group == nodes and isinstance(links.get("one_rank_per_node"), dict):
+            rows = links["one_rank_per_node"].get(name)
+        elif nodes > 1 or not nccl.get("intra_node"):
+            rows = nccl.get(name)
+        else:
+            rows = next(iter(nccl["intra_node"].values())).get(name)
+        return rows if isinstance(rows, list) and rows else None
+
+
+class ThisDevice(Machine):
+    """The device this process runs on, as a run of `processes` processes on this machine uses it: each
+    distinct operation timed there the first time it is costed. On a CPU each process gets its share of the
+    cores (torchrun gives each of several processes one thread), and more processes than cores share them;
+    collectives, where a report of this machine is given, at its figures, else not costed (and said so)."""
+
+    def __init__(self, device, processes, report=None):
+        super().__init__(f"this machine's {'GPU' if device.type == 'cuda' else 'CPU'}, timed now")
+        self.device, self.report, cores = device, report, os.cpu_count() or 1
+        self.overlaps = device.type == "cuda"
+        self.issue_s = HOST_ISSUE_S if self.overlaps else 0.0
+        self.threads = max(1, cores // processes)
+        self.shared = 1.0 if self.overlaps else max(1.0, processes / cores)
+
+    def seconds(self, event):
+        if not (event.collective or event.free) and event.key not in self.timed:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+            try:
+                seconds = time_operation(event.name, event.args, event.kwargs, self.device)
+            finally:
+                torch.set_num_threads(threads)
+            self.timed[event.key] = seconds * self.shared if seconds is not None else None
+        if event.key in self.timed and self.timed[event.key] is None:
+            return self.roofline(event), "roofline"
+        return super().seconds(event)
+
+    def roofline(self, event):
+        """An operation that cannot be replayed alone: one of FSDP's copies, small beside the rest."""
+        if self.report is not None:
+            return self.report.roofline(event)
+        return event.bytes / 10e9
+
+    def collective_seconds(self, kind, size, group, nodes):
+        if group <= 1:
+            return 0.0, "a group of one"
+        if self.report is None:
+            note = "collectives, for want of a benchmark report of this machine (--benchmark_report)"
+            if note not in self.notes:
+                self.notes.append(note)
+            return 0.0, "not costed"
+        return self.report.collective_seconds(kind, size, group, nodes)
+
+
+def tensors_of(event):
+    from torch.utils._pytree import tree_leaves
+
+    from common.op_timing import TensorMeta
+
+    return [leaf for leaf in tree_leaves((event.args, event.kwargs)) if isinstance(leaf, TensorMeta)]
+
+
+def machine_for(args, world_size):
+    """The machine the dry run predicts for: --benchmark_report, else the newest report under --log_dir of
+    the target (--gpu=cpu: this machine's CPU; else a report whose GPUs are --gpu's), else this CPU timed now
+    or --gpu's datasheet."""
+    ranks_per_node = min(args.gpus_per_node, world_size)
+    path = args.benchmark_report or newest_report(args.log_dir, args.gpu)
+    report = Report(path, read_report(path)) if path else None
+    if args.gpu == "cpu":
+        return ThisDevice(torch.device("cpu"), processes_here(report, ranks_per_node), report)
+    return report or Datasheet(args.gpu)
+
+
+def processes_here(report, ranks_per_node):
+    """The training processes sharing this machine: those a report of it places on this host (a test cluster
+    runs its nodes on one), else a node's."""
+    import socket
+
+    if report is None:
+        return ranks_per_node
+    nodes = report.report.get("nodes") or {}
+    hosts = [node.get("hostname") for node in nodes.values() if isinstance(node, dict)]
+    return (
+        max(1, hosts.count(socket.gethostname()) * report.report["world"]["ranks_per_node"])
+        if hosts
+        else ranks_per_node
+    )
+
+
+def read_report(path):
+    import yaml
+
+    with open(path) as file:
+        return yaml.safe_load(file)
+
+
+def newest_report(folder, gpu):
+    """The newest cluster report (benchmark_*.yaml, not a node's _rank file) in folder for the target: a CPU
+    report for gpu=cpu, else one whose GPUs' names contain gpu."""
+    import glob
+
+    reports = [p for p in glob.glob(os.path.join(folder, "benchmark_*.yaml")) if "_rank" not in p]
+    for path in sorted(reports, key=os.path.getmtime, reverse=True):
+        try:
+            report = read_report(path)
+            gpus = [
+                g["name"] for g in (report.get("gpu") or {}).values() if isinstance(g, dict) and "name" in g
+            ]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if (gpu == "cpu" and report["world"]["device"] == "cpu") or any(
+            gpu.lower() in g.lower() for g in gpus
+        ):
+            return path
+    return None
