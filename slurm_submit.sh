@@ -31,6 +31,7 @@ set -euo pipefail
 trap 'export JOB_SIGUSR1=1' USR1
 
 # Knobs: environment variables, e.g. SKIP_BENCHMARK=1 sbatch slurm_submit.sh (sbatch passes the environment).
+# Their defaults are here alone: run/job.py declares each knob's type and refuses one that is missing.
 export SKIP_BENCHMARK=${SKIP_BENCHMARK:-0}                      # 1: go straight to training
 export CONTINUE_ON_BENCHMARK_FAILURE=${CONTINUE_ON_BENCHMARK_FAILURE:-0} # 1: train even when a check failed
 export BENCHMARK_ARGS=${BENCHMARK_ARGS:-}   # extra benchmark.py arguments, e.g. "--skip storage"
@@ -41,6 +42,7 @@ export MAX_EXCLUDED_NODES=${MAX_EXCLUDED_NODES:-2} # nodes the job may leave out
 export REHEARSE_BAD_NODES=${REHEARSE_BAD_NODES:-}  # node names (n1,n2): benchmark.py fails them, to rehearse the above
 export TORCHRUN_MAX_RESTARTS=${TORCHRUN_MAX_RESTARTS:-0} # >0: torchrun restarts failed workers inside the allocation
 export CONTAINER_IMAGE=${CONTAINER_IMAGE:-} # run in this image (pyxis/enroot, its python) instead of .venv
+export BENCHMARK_ONLY=${BENCHMARK_ONLY:-0}  # 1: the benchmarks alone, no training (benchmark_only.sh sets it)
 VENV=${VENV:-.venv}
 
 # sbatch runs a spool copy of this file, so in a job the repository is the working directory (where sbatch

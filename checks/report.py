@@ -18,7 +18,7 @@ from checks.verdicts import check, failed_nodes, verdict, verdict_checks
 from checks.world import World
 from common.errors import fail
 from common.files import create_atomically
-from common.node import write_suspects
+from common.suspects import write_suspects
 
 
 def print_table(checks: list):

@@ -1,15 +1,8 @@
-"""This node: its name as SLURM knows it, the host memory free for work, and the suspects file by which a
-phase names a bad node to the job script, which leaves it out and requeues (docs/SLURM.md)."""
+"""This node: its name as SLURM knows it, the host memory free for work, and the device of this process."""
 
-import json
 import os
 import socket
-import time
 from pathlib import Path
-
-import torch
-
-from common.files import write_atomically
 
 
 def available_memory_bytes() -> int:
@@ -25,22 +18,13 @@ def node_name() -> str:
     return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
-def local_device() -> torch.device:
+def local_device():
     """This process's device: its local rank's GPU, made the current one so that NCCL and every
     allocation land there, or the CPU where there is no GPU."""
+    import torch  # here, not above: the job (run/job.py) names its node on a python that may lack torch
+
     if not torch.cuda.is_available():
         return torch.device("cpu")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     return device
-
-
-def write_suspects(folder, name, suspects):
-    """Adds {node: why} to the suspects the job script reads once the phase has ended, as
-    <folder>/<name>.json: each writer its own file, so none overwrites another's."""
-    if not suspects:
-        return
-    os.makedirs(folder, exist_ok=True)
-    write_atomically(
-        os.path.join(folder, f"{name}.json"), json.dumps({"time": time.time(), "nodes": suspects})
-    )

@@ -12,6 +12,7 @@ Every call to SLURM goes through run/slurm.py. Standard library only (see run/sl
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -20,15 +21,17 @@ import tempfile
 import time
 from pathlib import Path
 
+from common import suspects
 from common.files import write_atomically
 from common.node import node_name
-from run import heal, slurm
+from run import slurm
 from run.benchmark_reports import outcome_path, read_outcome, report_names, split_report
 
-# name: default. slurm_submit.sh sets and explains each; these hold when the module is run alone.
-KNOBS = {"SKIP_BENCHMARK": 0, "CONTINUE_ON_BENCHMARK_FAILURE": 0, "NPROC_PER_NODE": 2, "REQUIRE_GPUS": 0,
-         "MAX_REQUEUES": 5, "MAX_EXCLUDED_NODES": 2, "TORCHRUN_MAX_RESTARTS": 0, "BENCHMARK_ONLY": 0,
-         "BENCHMARK_ARGS": "", "CONTAINER_IMAGE": ""}  # fmt: skip
+# Each knob and what it takes: a whole number, at least this one, or str (text). slurm_submit.sh sets every
+# one, with its default and what it does: the job has no default of its own.
+KNOBS = {"SKIP_BENCHMARK": 0, "CONTINUE_ON_BENCHMARK_FAILURE": 0, "NPROC_PER_NODE": 1, "REQUIRE_GPUS": 0,
+         "MAX_REQUEUES": 0, "MAX_EXCLUDED_NODES": 0, "TORCHRUN_MAX_RESTARTS": 0, "BENCHMARK_ONLY": 0,
+         "BENCHMARK_ARGS": str, "CONTAINER_IMAGE": str}  # fmt: skip
 # train.py's arguments on nodes without GPUs, before the user's, which override them
 CPU_RUN = ["--model=tiny", "--data=dummy", "--max_steps=40", "--seq_length=64", "--batch_size=4", "--lr=3e-3",
            "--warmup_steps=4", "--compile=False", "--activation_checkpointing=none", "--log_every=5",
@@ -57,12 +60,17 @@ def log(message):
 
 def read_knobs(environ):
     knobs = {}
-    for name, default in KNOBS.items():
-        value = environ.get(name, "") or str(default)
-        least = 1 if name == "NPROC_PER_NODE" else 0
-        if isinstance(default, int) and not (whole_number(value) and int(value) >= least):
-            raise JobError(f"{name}={value}: give a whole number, {least} or more (e.g. {name}={default})", 2)
-        knobs[name] = int(value) if isinstance(default, int) else value
+    for name, least in KNOBS.items():
+        if name not in environ:
+            raise JobError(
+                f"{name} is not set: the job takes its knobs from slurm_submit.sh, which sets each one; "
+                "start it with sbatch slurm_submit.sh (or bash slurm_submit.sh outside SLURM)",
+                2,
+            )
+        value = environ[name]
+        if least is not str and not (whole_number(value) and int(value) >= least):
+            raise JobError(f"{name}={value}: give a whole number, {least} or more", 2)
+        knobs[name] = value if least is str else int(value)
     return argparse.Namespace(**knobs)
 
 
@@ -118,6 +126,10 @@ class Job:
         log(
             f"{where}{'' if self.scheduler.in_job else ' (no SLURM job)'}: SLURM_RESTART_COUNT="
             f"{self.scheduler.restarts}, {self.nproc} processes per node ({device})"
+        )
+        log(
+            "knobs: "
+            + " ".join(f"{name}={shlex.quote(str(value))}" for name, value in vars(self.knobs).items())
         )
         self.nodes = self.usable(hosts)
         train_args, bench_args = self.arguments(gpus)
@@ -245,7 +257,7 @@ class Job:
         report = reports[-1]
         args = [*rest, f"--report={report}", f"--outcome={outcome_path(report)}"]
         if self.run_folder:
-            args.append(f"--suspects_folder={os.path.join(self.run_folder, 'suspects')}")
+            args.append(f"--suspects_folder={suspects.suspects_folder(self.run_folder)}")
         command = [self.python, "benchmark.py", "--check_only", *args]  # on one node: a typo costs seconds
         if self.scheduler.check(self.nodes[0], command, self.environ, self.knobs.CONTAINER_IMAGE) != 0:
             raise JobError("not started: benchmark.py refused its options (above)", 2)
@@ -286,9 +298,9 @@ class Job:
         """One phase, torchrun on every node; returns its exit status. Meanwhile it hands a stop on to the
         workers, and ends the step of a node that froze: once the other ranks blamed it and had time to
         exit, and it still never lets its srun end."""
-        suspects = os.path.join(self.run_folder, "suspects") if self.run_folder else None
-        if suspects:
-            shutil.rmtree(suspects, ignore_errors=True)
+        blamed = suspects.suspects_folder(self.run_folder) if self.run_folder else None
+        if blamed:
+            shutil.rmtree(blamed, ignore_errors=True)
         torchrun = self.scheduler.torchrun(
             self.python, self.nodes, self.nproc, self.knobs.TORCHRUN_MAX_RESTARTS
         )
@@ -299,8 +311,8 @@ class Job:
         ended = False
         while process.poll() is None:
             self.handle_signals()
-            if suspects and not ended and hang_blamed(suspects, HANG_GRACE_S):
-                log(f"a hang blamed a node {HANG_GRACE_S} s ago ({suspects}) and the step goes on: ending it")
+            if blamed and not ended and suspects.hang_blamed(blamed, HANG_GRACE_S):
+                log(f"a hang blamed a node {HANG_GRACE_S} s ago ({blamed}) and the step goes on: ending it")
                 self.scheduler.end(process)
                 ended = True
             time.sleep(self.poll_s)
@@ -380,10 +392,11 @@ class Job:
         if not (self.scheduler.in_job and self.run_folder and self.knobs.MAX_EXCLUDED_NODES > 0):
             return status
         try:
-            nodes = heal.exclude(self.run_folder, self.knobs.MAX_EXCLUDED_NODES)
-        except heal.TooManyBadNodes as error:
+            new = suspects.exclude(self.run_folder, self.knobs.MAX_EXCLUDED_NODES)
+        except suspects.TooManyBadNodes as error:
             print(f"error: stopping: {error}", file=sys.stderr)
             return status
+        nodes = list(suspects.read_excluded(self.run_folder)[0]) if new else []
         restarts, cap, job_id = self.scheduler.restarts, self.knobs.MAX_REQUEUES, self.scheduler.job_id
         named = ",".join(nodes)
         if nodes and restarts >= cap:
@@ -420,21 +433,6 @@ class Job:
             "runs on its other nodes"
         )
         return 0
-
-
-def hang_blamed(suspects, seconds):
-    """Whether a watchdog named, at least seconds ago, the node its rank waits for (suspects/hang_rank<R>)."""
-    try:
-        names = [name for name in os.listdir(suspects) if name.startswith("hang_")]
-    except OSError:
-        return False
-    for name in names:
-        try:
-            if time.time() - os.stat(os.path.join(suspects, name)).st_mtime >= seconds:
-                return True
-        except OSError:
-            continue  # removed meanwhile
-    return False
 
 
 def main(argv):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from common.node import node_name
 from common.stragglers import slower_than_peers
-from run.heal import write_suspects
+from common.suspects import suspects_folder, write_suspects
 
 STRAGGLER_LOG_WINDOWS = 3  # named in this many log windows in a row: a warning to exclude its node
 
@@ -142,6 +142,6 @@ class StragglerWatch:
         return self.stragglers.log_window(timings, timed_steps)
 
     def exclude(self, node, why):
-        write_suspects(self.folder, "straggler", {node: why})
+        write_suspects(suspects_folder(self.folder), "straggler", {node: why})
         self.stop_requests.post(f"leaving {node} out")
         print(f"stopping to leave {node} out ({why}): checkpointing at the end of this step", flush=True)

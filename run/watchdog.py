@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from common.node import node_name
-from run.heal import HEARTBEAT_S, SILENT_S, Heartbeats, write_suspects
+from common.suspects import suspects_folder, write_suspects
+from run.heartbeats import HEARTBEAT_S, SILENT_S, Heartbeats
 
 HUNG = 3  # exit status of a rank its watchdog ended
 # Process-group timeouts, as torchtitan's set_pg_timeouts: generous until the first step is done (compiling,
@@ -142,7 +143,7 @@ class Watchdog:
         while not (suspects := self.heartbeats.suspects()) and time.time() < deadline:
             time.sleep(1.0)
             self.heartbeats.beat(self.steps)
-        write_suspects(self.folder, f"hang_rank{self.rank}", suspects)
+        write_suspects(suspects_folder(self.folder), f"hang_rank{self.rank}", suspects)
         return suspects
 
     def report(self, waited, limit):

@@ -24,7 +24,7 @@ from conftest import BLAMED, REPO, TINY, launch, read_metrics, torchrun_command,
 
 import train as train_script
 from common import stragglers
-from run import heal, watchdog
+from run import heartbeats, watchdog
 from run.stragglers import Stragglers
 
 HOST = socket.gethostname()
@@ -246,7 +246,7 @@ def test_a_stopped_rank_ends_the_run_by_the_watchdog_naming_its_node_from_its_he
 def test_the_watchdog_ends_a_hang_within_its_limit_and_the_heartbeat_silence(slow_then_stopped):
     report = watchdog_line(slow_then_stopped)
     limit, waited = int(report[4]), slow_then_stopped.reported_at - slow_then_stopped.stopped_at
-    assert 6 <= limit <= int(report[1]) and waited < limit + heal.SILENT_S + 2 * heal.HEARTBEAT_S
+    assert 6 <= limit <= int(report[1]) and waited < limit + heartbeats.SILENT_S + 2 * heartbeats.HEARTBEAT_S
 
 
 def test_the_goodput_ledger_counts_a_hang_as_stalled(slow_then_stopped):

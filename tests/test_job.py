@@ -3,9 +3,12 @@ SLURM would (the job's comment, its excluded nodes, its requeues) and starts the
 on the nodes it may use, as SLURM does; each phase is a fake launch whose outcome the test scripts.
 tests/test_slurm.py proves the same on a real SLURM."""
 
+import functools
 import itertools
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -15,7 +18,8 @@ import time
 import pytest
 from conftest import REPO, TINY, launch
 
-from run import heal, job, slurm
+from common import suspects
+from run import job, slurm
 
 HOSTS = ["n1", "n2", "n3"]
 
@@ -114,10 +118,29 @@ def job_signals(monkeypatch):
     signal.signal(signal.SIGUSR1, previous)
 
 
+@functools.cache
+def script_knobs():
+    """The knobs as slurm_submit.sh sets them where the environment sets none: its knob lines, run by bash in
+    an empty environment. The tests take the defaults from there, where users read and edit them."""
+    text = (REPO / "slurm_submit.sh").read_text()
+    knob_lines = list(re.finditer(r"^export ([A-Z_]+)=\$\{.*$", text, re.M))
+    script = "\n".join(line.group(0) for line in knob_lines) + "\nenv -0"
+    done = subprocess.run(["bash", "-c", script], env={}, capture_output=True, text=True, check=True)
+    environ = dict(item.split("=", 1) for item in done.stdout.split("\0") if item)
+    return {line.group(1): environ[line.group(1)] for line in knob_lines}
+
+
+def knobs_of(**changed):
+    """The job's knobs: the script's defaults, with changed ones (and one process per node)."""
+    return job.read_knobs(
+        {**script_knobs(), "NPROC_PER_NODE": "1", **{k: str(v) for k, v in changed.items()}}
+    )
+
+
 def run_job(scheduler, argv=(), clock=None, **knobs):
     """Starts the job, and again after each requeue, as SLURM would: on the nodes it has not excluded.
     Returns the exit status of each start."""
-    knobs = job.read_knobs({"NPROC_PER_NODE": "1", **{name: str(value) for name, value in knobs.items()}})
+    knobs = knobs_of(**knobs)
     statuses = []
     while len(statuses) < 10:
         start = job.Job(knobs, scheduler, list(argv), "python", {})
@@ -133,7 +156,9 @@ def run_job(scheduler, argv=(), clock=None, **knobs):
 
 
 def blame(run_folder, name, nodes):
-    heal.write_suspects(run_folder, name, {node: f"{name} blamed it" for node in nodes})
+    suspects.write_suspects(
+        suspects.suspects_folder(run_folder), name, {node: f"{name} blamed it" for node in nodes}
+    )
 
 
 def benchmark_verdict(process, verdict="pass", failed_nodes=None):
@@ -173,7 +198,7 @@ def test_a_node_failing_the_benchmark_is_left_out_and_the_job_requeues_without_i
     assert launched(scheduler) == [(0, "benchmark.py", "n1 n2 n3"), (1, "benchmark.py", "n1 n2"),
                                    (1, "train.py", "n1 n2")]  # fmt: skip
     assert slurm.left_out(scheduler.comment_text) == ["n3"] and scheduler.excluded_nodes == "n3"
-    assert list(heal.read_excluded(tmp_path / "excluded_nodes")[0]) == ["n3"]
+    assert list(suspects.read_excluded(tmp_path)[0]) == ["n3"]
     out, err = capsys.readouterr()
     assert "leaving out n3 (why: " in out and "requeueing job 42 (restart 1 of at most 5)" in out
     stem = f"logs/benchmark_42_{first_start(scheduler)}"
@@ -210,7 +235,7 @@ def test_nodes_are_left_out_one_requeue_each_and_the_job_stops_past_the_cap(tmp_
     assert run_job(scheduler, MAX_EXCLUDED_NODES=2) == [0, 0, 3]
     scheduler_hosts = [nodes for restart, script, nodes in launched(scheduler) if script == "train.py"]
     assert scheduler_hosts == ["n1 n2", "n1"]
-    assert list(heal.read_excluded(tmp_path / "excluded_nodes")[0]) == ["n3", "n2", "n1"]
+    assert list(suspects.read_excluded(tmp_path)[0]) == ["n3", "n2", "n1"]
     err = capsys.readouterr().err
     assert err.count("error: stopping: 3 bad nodes, more than MAX_EXCLUDED_NODES=2: n3 (") == 1, err
     assert scheduler.excluded_nodes == "n3,n2" and slurm.left_out(scheduler.comment_text) == ["n3", "n2"]
@@ -302,8 +327,7 @@ def test_an_exclusion_slurm_refuses_for_now_is_kept_by_the_comment(tmp_path, cap
 
     scheduler = FakeSlurm(tmp_path, phases, refuse_exclude=10)
     scheduler.requeue = lambda: setattr(scheduler, "requeues", scheduler.requeues + 1)
-    knobs = job.read_knobs({"SKIP_BENCHMARK": "1"})
-    start = job.Job(knobs, scheduler, [], "python", {})
+    start = job.Job(knobs_of(SKIP_BENCHMARK=1), scheduler, [], "python", {})
     start.poll_s = start.retry_s = 0
     assert start.run() == 0 and scheduler.requeues == 1 and scheduler.excluded_nodes == ""
     assert "SLURM refused ExcNodeList=n3 for now" in capsys.readouterr().out
@@ -440,8 +464,8 @@ def test_a_hang_blamed_on_a_node_ends_the_step_and_the_node_is_left_out(tmp_path
 
 def test_a_recent_hang_is_left_to_the_watchdogs_of_the_other_ranks(tmp_path):
     blame(tmp_path, "hang_rank1", ["n2"])
-    assert not job.hang_blamed(tmp_path / "suspects", job.HANG_GRACE_S)
-    assert not job.hang_blamed(tmp_path / "nowhere", job.HANG_GRACE_S)
+    assert not suspects.hang_blamed(suspects.suspects_folder(tmp_path), job.HANG_GRACE_S)
+    assert not suspects.hang_blamed(tmp_path / "nowhere", job.HANG_GRACE_S)
 
 
 def test_bad_knobs_are_refused_in_one_line(tmp_path):
@@ -451,19 +475,41 @@ def test_bad_knobs_are_refused_in_one_line(tmp_path):
         ("NPROC_PER_NODE", "0", 1),
     ):
         with pytest.raises(job.JobError) as refused:
-            job.read_knobs({name: value})
-        assert (
-            str(refused.value)
-            == f"{name}={value}: give a whole number, {least} or more (e.g. {name}={job.KNOBS[name]})"
-        )
+            job.read_knobs({**script_knobs(), name: value})
+        assert str(refused.value) == f"{name}={value}: give a whole number, {least} or more"
         assert refused.value.status == 2
+    # the job started without slurm_submit.sh, which alone gives the defaults
+    missing = {name: value for name, value in script_knobs().items() if name != "MAX_REQUEUES"}
+    with pytest.raises(
+        job.JobError, match=r"^MAX_REQUEUES is not set: the job takes its knobs from slurm_submit"
+    ):
+        job.read_knobs(missing)
     for name in ("SLURM_GPUS_ON_NODE", "SLURM_NNODES"):
-        start = job.Job(job.read_knobs({}), FakeSlurm(tmp_path, None), [], "python", {name: "abc"})
+        start = job.Job(knobs_of(), FakeSlurm(tmp_path, None), [], "python", {name: "abc"})
         with pytest.raises(
             job.JobError, match=rf"^{name}=abc is not a whole number: SLURM sets it"
         ) as refused:
             start.run()
         assert refused.value.status == 2
+
+
+def test_the_job_runs_with_the_knobs_slurm_submit_sh_sets(tmp_path):
+    """slurm_submit.sh alone holds the knobs' defaults: run as a user runs it, in an environment that sets no
+    knob, the job says it runs with those, and every knob it takes has one there. A bad option stops it at
+    train.py's check, a few seconds in."""
+    result = subprocess.run(
+        ["bash", "slurm_submit.sh", "--batch_sise=4", f"--log_dir={tmp_path}"],
+        cwd=REPO,
+        env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    (line,) = re.findall(r"^\d\d:\d\d:\d\d knobs: (.*)$", result.stdout, re.M)
+    said = dict(knob.split("=", 1) for knob in shlex.split(line))
+    assert said == {name: script_knobs()[name] for name in job.KNOBS}, (said, script_knobs())
+    assert "error: unknown option --batch_sise; did you mean --batch_size?" in result.stderr
 
 
 def test_bad_benchmark_arguments_stop_the_job_before_any_launch(tmp_path, capsys):
@@ -482,7 +528,7 @@ def test_bad_benchmark_arguments_are_refused_in_one_line_by_a_real_check(tmp_pat
     result = subprocess.run(
         [sys.executable, "-m", "run.job"],
         cwd=REPO,
-        env={**os.environ, "BENCHMARK_ONLY": "1", "NPROC_PER_NODE": "1",
+        env={**os.environ, **script_knobs(), "BENCHMARK_ONLY": "1", "NPROC_PER_NODE": "1",
              "BENCHMARK_ARGS": f"--only=nonsense --report_dir={tmp_path}"},
         capture_output=True,
         text=True,
@@ -497,7 +543,7 @@ def test_bad_benchmark_arguments_are_refused_in_one_line_by_a_real_check(tmp_pat
 
 
 def test_a_container_image_outside_slurm_is_refused_in_one_line(tmp_path):
-    start = job.Job(job.read_knobs({"CONTAINER_IMAGE": "img.sqsh"}), slurm.Local(), [], "python", {})
+    start = job.Job(knobs_of(CONTAINER_IMAGE="img.sqsh"), slurm.Local(), [], "python", {})
     with pytest.raises(
         job.JobError, match=r"^CONTAINER_IMAGE=img.sqsh runs the job's processes in a container"
     ):
@@ -525,7 +571,7 @@ class LocalWithoutTraining(slurm.Local):
 
 def test_sigterm_to_the_job_outside_slurm_reaches_its_workers(tmp_path):
     """Outside SLURM only the job's process gets the SIGTERM: it passes it on to the launch running."""
-    start = job.Job(job.read_knobs({"SKIP_BENCHMARK": "1"}), LocalWithoutTraining(tmp_path), [], "python", {})
+    start = job.Job(knobs_of(SKIP_BENCHMARK=1), LocalWithoutTraining(tmp_path), [], "python", {})
     start.poll_s = 0.05
 
     def terminate_once_started():
@@ -544,7 +590,8 @@ def test_a_damaged_excluded_nodes_file_is_read_as_far_as_it_goes(tmp_path):
     path = tmp_path / "excluded_nodes"
     path.write_bytes(b"n1\t2026-01-01T00:00:00Z\tslow \xff\xfe disk\nn2\t2026-01-0")
     blame(tmp_path, "benchmark", ["n3"])
-    assert heal.exclude(str(tmp_path), 5) == ["n1", "n3"]
+    assert list(suspects.exclude(str(tmp_path), 5)) == ["n3"]
+    assert list(suspects.read_excluded(tmp_path)[0]) == ["n1", "n3"]
     assert path.read_text(errors="replace").splitlines()[2].startswith("n3\t")
     assert not list((tmp_path / "suspects").iterdir())
 
@@ -553,7 +600,7 @@ def test_the_suspects_stay_when_the_exclusion_cannot_be_written(tmp_path):
     (tmp_path / "excluded_nodes").mkdir()  # not a file: no write can land
     blame(tmp_path, "benchmark", ["n3"])
     with pytest.raises(OSError):
-        heal.exclude(str(tmp_path), 5)
+        suspects.exclude(str(tmp_path), 5)
     assert [path.name for path in (tmp_path / "suspects").iterdir()] == ["benchmark.json"]
 
 

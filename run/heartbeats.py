@@ -1,6 +1,5 @@
-"""Naming a bad node so that the job can go on without it: every rank's heartbeat, the suspects of a hang or
-of a node that straggles window after window, written to <log_dir>/<run_name>/suspects/ for the job
-(run/job.py), which excludes them and requeues the job (docs/SLURM.md)."""
+"""Every rank's heartbeat: <log_dir>/<run_name>/heartbeats/rank<R>.json, rewritten by each rank's watchdog
+thread (run/watchdog.py), whose reading names the node a hang waits for."""
 
 import json
 import os
@@ -9,7 +8,6 @@ import time
 
 from common.files import write_atomically
 from common.node import node_name
-from common.node import write_suspects as common_write_suspects
 
 HEARTBEAT_S = 5.0  # each rank's heartbeat file is rewritten this often
 SILENT_S = 4 * HEARTBEAT_S  # a heartbeat this old: the rank's process is stopped, dead or cut off
@@ -83,66 +81,3 @@ def by_node(beats, values, words):
         node = beats[rank]["node"]
         nodes[node] = "; ".join(filter(None, [nodes.get(node), words.format(rank=rank, value=value)]))
     return nodes
-
-
-def write_suspects(folder, name, suspects):
-    """Adds {node: why} to the suspects the job (run/job.py) reads once the phase has ended, as <name>.json:
-    each writer its own file (hang_rank<R>: the watchdog of rank R, whose step the job ends if it hangs
-    on; straggler: rank 0; benchmark: benchmark.py)."""
-    common_write_suspects(os.path.join(folder, "suspects"), name, suspects)
-
-
-class TooManyBadNodes(Exception):
-    """More nodes to leave out than the job may: its message is the one line that stops the job."""
-
-
-def read_suspects(folder):
-    """{node: why} from every file in folder, and the files read: the caller removes them once it has acted
-    on them, so that a suspect is acted on once, and never lost to a failure in between."""
-    suspects, read = {}, []
-    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        path = os.path.join(folder, name)
-        read.append(path)
-        try:
-            with open(path) as file:
-                suspects.update(json.load(file)["nodes"])
-        except (OSError, ValueError, KeyError) as error:
-            print(f"warning: {path} is unreadable ({error}); ignored", file=sys.stderr)
-    return suspects, read
-
-
-def read_excluded(path):
-    """{node: why} of an excluded_nodes file. A damaged one (a torn line, bytes that are not text) is read
-    as far as it goes: the nodes it still names stay out, and new ones can be added."""
-    try:
-        with open(path, "rb") as file:
-            data = file.read()
-    except FileNotFoundError:
-        return {}, True
-    rows = [line.split("\t") for line in data.decode("utf-8", errors="replace").splitlines()]
-    return {row[0]: row[-1] for row in rows if len(row) == 3}, data.endswith(b"\n") or not data
-
-
-def exclude(run_folder, limit):
-    """The job's step after a failed phase: adds the suspects written since it last looked to
-    <run_folder>/excluded_nodes, a line "node<TAB>time<TAB>why" each, kept across requeues. Returns every
-    node excluded so far, or [] when no new node is to blame (the job stops, as it would have); raises
-    TooManyBadNodes, naming them all, when more than limit nodes would be left out."""
-    suspects, read = read_suspects(os.path.join(run_folder, "suspects"))
-    path = os.path.join(run_folder, "excluded_nodes")
-    excluded, whole_lines = read_excluded(path)
-    new = {node: why for node, why in sorted(suspects.items()) if node not in excluded}
-    if new:
-        when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        with open(path, "a") as file:
-            file.write("" if whole_lines else "\n")  # a torn last line stays alone
-            file.writelines(f"{node}\t{when}\t{why}\n" for node, why in new.items())
-    for suspect in read:
-        os.remove(suspect)
-    if not new:
-        return []
-    excluded.update(new)
-    if len(excluded) > limit:
-        named = "; ".join(f"{node} ({why})" for node, why in excluded.items())
-        raise TooManyBadNodes(f"{len(excluded)} bad nodes, more than MAX_EXCLUDED_NODES={limit}: {named}")
-    return list(excluded)
