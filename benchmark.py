@@ -29,6 +29,7 @@ shares with them (the GPU datasheet, node names, suspects) in common/.
 """
 
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -43,6 +44,7 @@ from checks.collectives import links_section, nccl_section, nic_rates_Gbps
 from checks.gpu import gpu_section
 from checks.host import cpu_section, memory_section
 from checks.inputs import SIZE_OPTIONS, OneLineErrors, positive_number, section_list, validate
+from checks.model_timing import distinct, model_section
 from checks.report import cluster_report, write_reports
 from checks.storage import storage_section
 from checks.verdicts import MIN_STORAGE_GBPS
@@ -102,6 +104,11 @@ def argument_parser():
         "than its own history only warns",
     )
     parser.add_argument(
+        "--train_args",
+        help="train.py's options for the run to come (e.g. '--model=gpt2 --batch_size=4'): its step's own "
+        "operations and collectives are timed too, for the prediction of its step (the job passes them)",
+    )
+    parser.add_argument(
         "--history",
         action="store_true",
         help=f"print each node's figures over its runs (<report_dir>/{history.HISTORY_FILE}), then exit",
@@ -129,6 +136,7 @@ def parse_args(argv=None):
         "min_storage_GBps": args.min_storage_GBps,
         "fail_on_warn": args.fail_on_warn,
         "history": args.history,
+        "train_args": args.train_args,
     }
     cfg.update({key: value for key, value in vars(args).items() if key in cfg and value is not None})
     validate(cfg, args, parser)
@@ -157,6 +165,16 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
     return {}
 
 
+def traced_model_step(train_args):
+    """Rank 0's record of the step train.py would run with these options at this world size, before any
+    process group (the recording needs a fake one): (the options, its distinct operations and collectives)."""
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    import train  # the model, its wrapping and its step are train.py's own
+
+    return train_args, *distinct(train.trace_run(shlex.split(train_args)))
+
+
 def main(argv=None) -> int:
     cfg = parse_args(argv)
     if cfg["check_only"]:
@@ -166,6 +184,7 @@ def main(argv=None) -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # scancel: still remove the test files
     started = time.perf_counter()
+    model_step = traced_model_step(cfg["train_args"]) if cfg["train_args"] else None
     world = start_world()
     try:
         job_id = [os.environ.get("SLURM_JOB_ID") or datetime.now(UTC).strftime("%Y%m%d-%H%M%S")]
@@ -195,6 +214,8 @@ def main(argv=None) -> int:
             "section_seconds": section_seconds,
         }
         report = cluster_report(everyone, world, job, cfg)
+        if cfg["train_args"]:
+            report["model"] = model_section(world, cfg, model_step)
         write_reports(report, world, f"node{world.node_rank} ({local['node_name']})", cfg)
         return 1 if report["verdict"] == "fail" else 0
     finally:

@@ -285,6 +285,17 @@ def choose_auto(args, model_config, meta_model):
     return simulation.choose_on_this_device(args, model_config, n_params, training_path(), device)
 
 
+def trace_run(argv):
+    """The events of the step a training run with these options would take (run/predict.py), recorded as
+    main() builds it, before any process group: for benchmark.py --train_args to time on the cluster."""
+    args = parse_args(argv, constants_of(sys.modules[__name__]))
+    shape = complete_and_check(args)
+    tokenizer = load_tokenizer(args)
+    never_packed_sequences()
+    model_config = build_model_config(shape, tokenizer, args.vocab_size)
+    return trace_own_step(args, model_config, build_meta_model(model_config))
+
+
 def trace_own_step(args, model_config, meta_model):
     """Rank 0 traces this run's step on fake tensors, before any process group exists (a fake one stands in
     for it), for predict_own_step to time on the device once it is set up."""

@@ -10,8 +10,10 @@ import time
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-# A timed operation is called in a row until the calls last this long, after one call that warms it up.
-MIN_TIMED_SECONDS = 0.02
+# A timed operation's calls run in batches of BATCH_SECONDS, at least MIN_BATCHES of them and
+# MIN_TIMED_SECONDS in all (at most MAX_BATCHES), after a call that warms it up.
+BATCH_SECONDS = 0.002
+MIN_BATCHES, MAX_BATCHES, MIN_TIMED_SECONDS = 5, 10, 0.02
 MAX_CALLS = 4**6
 # More than the last-level cache of a CPU (tens of MB) or a GPU's L2 (50 MB on an H100).
 CACHE_BYTES = {"cpu": 128 << 20, "cuda": 256 << 20}
@@ -36,12 +38,11 @@ class TensorMeta:
         return math_prod(self.shape) * self.dtype.itemsize
 
     def materialize(self, device):
-        """A tensor of this shape, stride and dtype: random floats, zeros for integers (valid indices)."""
+        """A tensor of this shape, stride and dtype: ones for floats (no NaN from a square root or a log, no
+        denormals, and quick to write), zeros for integers (valid indices)."""
         size = sum((n - 1) * s for n, s in zip(self.shape, self.stride)) + 1 if all(self.shape) else 0
-        storage = torch.zeros(size, dtype=self.dtype, device=device)
-        if self.dtype.is_floating_point:
-            storage.uniform_(0.5, 1.5)  # positive and away from 0: no NaN from sqrt or log, no denormals
-        return storage.as_strided(self.shape, self.stride)
+        fill = 1 if self.dtype.is_floating_point else 0
+        return torch.full((size,), fill, dtype=self.dtype, device=device).as_strided(self.shape, self.stride)
 
 
 def math_prod(values):
@@ -76,29 +77,36 @@ def resolve(name):
 
 def time_operation(name, args, kwargs, device):
     """Seconds of one call of the operation on tensors of its shapes on device, or None when it cannot be
-    replayed alone (an argument it cannot be given, such as a process group). After a warm-up call, calls in
-    a row, 1, 4, 16 ..., until they last MIN_TIMED_SECONDS, timed as a whole (the device's own queue stays
-    full, as in a step). The calls take turns over copies of the arguments that together outgrow the
-    caches, so that each reads its inputs from memory, as the step's operations do."""
+    replayed alone (an argument it cannot be given, such as a process group). Calls run in a row (the
+    device's own queue stays full, as in a step), as many as last BATCH_SECONDS, in batches of which the
+    fastest counts: a batch that another process interrupted is slower, never faster. The calls take turns
+    over copies of the arguments that together outgrow the caches, so that each reads its inputs from
+    memory, as the step's operations do."""
     try:
         op = resolve(name)
         size = sum(leaf.bytes for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, TensorMeta))
         copies = min(MAX_COPIES, max(1, -(-CACHE_BYTES[device.type] // max(size, 1))))
         arguments = [tuple(tree_map(lambda v: materialize(v, device), x) for x in (args, kwargs))
                      for _ in range(copies)]  # fmt: skip
-        op(*arguments[0][0], **arguments[0][1])
-        calls = 1
-        while True:
+
+        def batch(calls):
             synchronize(device)
             started = time.perf_counter()
             for call in range(calls):
                 real_args, real_kwargs = arguments[call % copies]
                 op(*real_args, **real_kwargs)
             synchronize(device)
-            seconds = time.perf_counter() - started
-            if seconds >= MIN_TIMED_SECONDS or calls >= MAX_CALLS:
-                return seconds / calls
+            return time.perf_counter() - started
+
+        batch(1)  # warm-up
+        calls = 1
+        while (seconds := batch(calls)) < BATCH_SECONDS and calls < MAX_CALLS:
             calls *= 4
+        batches, spent = [seconds], seconds
+        while len(batches) < MAX_BATCHES and (len(batches) < MIN_BATCHES or spent < MIN_TIMED_SECONDS):
+            batches.append(batch(calls))
+            spent += batches[-1]
+        return min(batches) / calls
     except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, NotImplementedError):
         return None
 

@@ -38,9 +38,11 @@ REWINDS = "rewinds.json"
 
 
 def complete(args, shape, names_the_run):
-    """Fills in what the options leave to the run: the sequence length (the model's positions), the precision
+    """Fills in what the options leave to the run: --plan's dry run, the sequence length (the model's
+    positions), the precision
     (auto: bf16 on a GPU, and in a dry run, which simulates one) and the run's name, a digest of the options
     that name it (train.py's NAMES_THE_RUN), so that a relaunch of the same run resumes it."""
+    args.dry_run = args.dry_run or args.plan  # a plan is a dry run of every candidate
     if args.seq_length is None:
         args.seq_length = shape.n_positions
     if args.mixed_precision == "auto":

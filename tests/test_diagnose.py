@@ -172,7 +172,7 @@ def slow_then_stopped(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("slow")
     args = [*TINY, f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", "--run_name=slow",
             "--max_steps=60", "--seq_length=64", "--log_every=2", "--checkpoint_every=3",
-            "--hang_minimum_s=6", "--hang_factor=4", "--profile_steps=2,3"]  # fmt: skip
+            "--hang_minimum_s=6", "--hang_factor=4", "--profile_steps=2,3", "--predict=True"]  # fmt: skip
     process = subprocess.Popen(
         torchrun_command("train.py", args, 2),
         cwd=REPO,
@@ -225,6 +225,27 @@ def test_a_throttled_rank_is_named_the_straggler_in_every_log_window(slow_then_s
     records = read_metrics(slow_then_stopped.folder)[1:]
     assert [list(r["stragglers"]) for r in records] == [[f"{HOST}:1"]] * 3
     assert all(r["stragglers"][f"{HOST}:1"]["compute_s"] > 1.1 * r["compute_s"] for r in records)
+
+
+def test_a_throttled_rank_makes_the_step_slower_than_predicted_and_the_warning_names_its_compute(
+    slow_then_stopped,
+):
+    """Rank 0 predicted the step on its own CPU before training; every window after the first holds the
+    step against it, and the throttled rank's compute is the largest difference."""
+    log = slow_then_stopped.log
+    assert re.search(r"^predicted step: [\d.e-]+ s = compute", log, re.M), log[:3000]
+    held = re.findall(
+        r"^step +[468]/60 \|.* \| ([\d.]+)x predicted \((\w[\w ]*) ([+-][\d.e-]+) s\)", log, re.M
+    )
+    assert len(held) == 3 and all(float(ratio) > 1.25 for ratio, _, _ in held), log[-3000:]
+    warnings = re.findall(
+        r"^warning: steps take ([\d.]+)x their predicted .* is (compute), .*\(slowest: (\S+),", log, re.M
+    )
+    assert warnings and all(where == f"{HOST}:1" for _, _, where in warnings), log[-3000:]
+    ratios = [float(ratio) for ratio, _, _ in warnings]
+    assert all(later > earlier + 0.25 for earlier, later in zip(ratios, ratios[1:]))  # again only if it grows
+    records = read_metrics(slow_then_stopped.folder)
+    assert all(record["vs_predicted"] > 1.25 for record in records[1:]) and "vs_predicted" not in records[0]
 
 
 def test_a_straggler_three_windows_in_a_row_is_warned_of_once_with_the_command_that_leaves_it_out(

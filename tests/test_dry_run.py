@@ -25,7 +25,9 @@ def simulated_peak(*args, world_size):
     cfg = parse_options(["--dry_run", *SMALL, *args, f"--world_size={world_size}"])
     shape = validated(cfg)
     config = train_script.build_model_config(shape)
-    return simulation.simulate_peak_memory(cfg, config, world_size, train_script.training_path())
+    ranks_per_node = min(cfg.gpus_per_node, world_size)
+    training = train_script.training_path()
+    return simulation.simulate_step(cfg, config, world_size, training, ranks_per_node, fused=True)[0]
 
 
 def dry_run(capsys, *args):

@@ -1,0 +1,77 @@
+"""This model's own step on the cluster (--train_args): the distinct operations and collectives of one
+training step of the model the job will train, as train.py's dry run records them on fake tensors, timed on
+every device at once and over the real process groups at the sizes and groups FSDP issues. The report's
+model section is then what the step's prediction (run/predict.py) costs it with: the cluster's own
+figures."""
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from checks.collectives import collective_call, collective_seconds
+from checks.world import World
+from common.op_timing import describe, time_operation
+
+# nccl-tests' names of the collectives the step issues.
+SWEEP_NAMES = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce",
+               "broadcast": "broadcast"}  # fmt: skip
+
+
+def distinct(events):
+    """(operations: {key: (name, args, kwargs, calls)}, collectives: {(kind, bytes, group, nodes): calls}) of
+    a recorded step, without what cannot leave the recording process (its process groups)."""
+    operations, collectives = {}, {}
+    for event in events:
+        if event.collective:
+            collectives[event.collective] = collectives.get(event.collective, 0) + 1
+        elif not event.free:
+            name, args, kwargs, calls = operations.get(event.key, (event.name, event.args, event.kwargs, 0))
+            operations[event.key] = (name, args, kwargs, calls + 1)
+    return operations, collectives
+
+
+def group_of(world: World, size: int, nodes: int):
+    """This rank's process group of `size` ranks over `nodes` nodes, as FSDP's mesh makes them: one rank a
+    node (a hybrid mesh's replicas), else consecutive ranks (a shard group). Every rank makes every group."""
+    if size == world.size:
+        return None  # the default group
+    if size == nodes:
+        blocks = [list(range(local, world.size, world.local_size)) for local in range(world.local_size)]
+    else:
+        blocks = [list(range(first, first + size)) for first in range(0, world.size, size)]
+    mine = None
+    for ranks in blocks:
+        group = dist.new_group(ranks)
+        if world.rank in ranks:
+            mine = group
+    return mine
+
+
+def model_section(world: World, cfg: dict, step) -> dict:
+    """step: rank 0's (train_args, operations, collectives) from distinct(), None on the other ranks."""
+    shared = [step]
+    dist.broadcast_object_list(shared, src=0, group=world.cpu_group)
+    train_args, operations, collectives = shared[0]
+    local = {key: time_operation(name, args, kwargs, world.device) for key, (name, args, kwargs, _) in
+             operations.items()}  # fmt: skip
+    everyone = [None] * world.size
+    dist.all_gather_object(everyone, local, group=world.cpu_group)
+    timed = {}
+    for key, (name, args, kwargs, calls) in operations.items():
+        seconds = [rank[key] for rank in everyone if rank[key] is not None]
+        if seconds:  # the median rank's, as a step runs at every rank's pace but for its slowest
+            timed[key] = {"seconds": statistics.median(seconds), "slowest_s": max(seconds), "calls": calls,
+                          "op": name, "args": describe(args, kwargs)[:200]}  # fmt: skip
+    measured = []
+    for (kind, size, group_size, nodes), calls in sorted(collectives.items()):
+        if group_size <= 1:
+            continue
+        group = group_of(world, group_size, nodes)
+        call = collective_call(SWEEP_NAMES[kind], size, group_size, world.device, group)
+        seconds = collective_seconds(call, world, group, cfg["collective_warmup"], cfg["collective_iters"])
+        slowest = torch.tensor([seconds], device=world.device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step waits for its slowest rank
+        measured.append({"kind": kind, "bytes": size, "group": group_size, "nodes": nodes,
+                         "seconds": slowest.item(), "calls": calls})  # fmt: skip
+    return {"train_args": train_args, "world_size": world.size, "operations": timed, "collectives": measured}

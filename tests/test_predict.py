@@ -1,0 +1,120 @@
+"""The step's prediction (run/predict.py) follows its inputs: the step recorded on fake tensors at world size
+2, played on machines whose figures the tests change; the planner never picks what does not fit; the dry run
+says the prediction and the plan. (test_diagnose.py holds a training run's live step against it.)"""
+
+import copy
+import re
+import sys
+
+import pytest
+from conftest import SIMULATES, parse_options, validated
+
+import train as train_script
+from common.errors import ConfigError
+from run import plan, simulation
+from run.machines import Report
+from run.predict import play
+
+TINY_STEP = ["--model=tiny", "--compile=False", "--batch_size=4", "--global_batch_size=8", "--seq_length=64"]
+SIZES = [2**20 * 4**power for power in range(6)]  # 1 MiB to 1 GiB, as the benchmark's default sweep
+
+
+def sweep(busbw_GBps):
+    return [{"size_bytes": size, "busbw_GB/s": busbw_GBps, "time_us": 5.0} for size in SIZES]
+
+
+def gpu_report(matmul_TFLOPS=800.0, busbw_GBps=300.0):
+    """A one-node report of 8 H100s, as benchmark.py writes one, with these figures."""
+    gpus = {f"node0 (n1)/gpu{index}": {"name": "NVIDIA H100 80GB HBM3", "matmul_bf16_TFLOPS": matmul_TFLOPS,
+                                        "copy_GB/s": 2900.0} for index in range(8)}  # fmt: skip
+    collectives = {op: sweep(busbw_GBps) for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    world = {"device": "cuda", "ranks": 8, "nodes": 1, "ranks_per_node": 8}
+    return {"world": world, "gpu": gpus, "nccl": collectives, "links": {"skipped": "one node"},
+            "nodes": {"node0 (n1)": {"hostname": "n1"}}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def step():
+    """The events of one training step of the tiny model at world size 2, as the dry run records them."""
+    cfg = parse_options(["--dry_run", *TINY_STEP, "--world_size=2"])
+    config = train_script.build_model_config(validated(cfg))
+    _, events = simulation.simulate(cfg, config, 2, 0, train_script.training_path())
+    return events
+
+
+def exposed(prediction):
+    return sum(seconds for name, seconds in prediction.parts.items() if name.startswith("exposed "))
+
+
+def compute(prediction):
+    return sum(prediction.parts[name] for name in ("forward", "backward", "recomputation"))
+
+
+@SIMULATES
+def test_the_step_records_fsdp_collectives_and_the_parts_add_up(step):
+    kinds = {event.collective[0] for event in step if event.collective}
+    assert {"all-gather", "reduce-scatter", "all-reduce"} <= kinds
+    prediction = play(step, Report("r.yaml", gpu_report()))
+    assert sum(prediction.parts.values()) == pytest.approx(prediction.step_s)
+    assert compute(prediction) > 0 and prediction.parts["optimizer"] > 0
+
+
+@SIMULATES
+def test_halving_the_busbw_raises_the_exposed_communication(step):
+    # the tiny model's collectives are small: a slow link is what exposes them
+    fast, slow = (play(step, Report("r.yaml", gpu_report(busbw_GBps=busbw))) for busbw in (0.2, 0.1))
+    assert exposed(slow) > exposed(fast) > 0 and slow.step_s > fast.step_s
+
+
+@SIMULATES
+def test_a_faster_matmul_figure_lowers_the_compute(step):
+    # rates slow enough that the tiny model's compute outlasts the host's issuing of it
+    slow, fast = (play(step, Report("r.yaml", gpu_report(matmul_TFLOPS=rate))) for rate in (0.002, 0.004))
+    assert compute(fast) < compute(slow) and fast.step_s < slow.step_s
+
+
+@SIMULATES
+def test_a_candidate_that_does_not_fit_is_never_picked():
+    cfg = parse_options(["--dry_run", *TINY_STEP, "--world_size=2", "--activation_checkpointing=auto"])
+    config = train_script.build_model_config(validated(cfg))
+    training, machine = train_script.training_path(), Report("r.yaml", gpu_report())
+    everything = plan.plan(cfg, config, 2, 0, training, machine, 1e9, simulation.simulate)
+    peaks = sorted(peak for _, peak, _ in everything)
+    # room for the two smallest peaks only: the candidates of the larger ones do not fit
+    squeezed = plan.plan(cfg, config, 2, 0, training, machine, peaks[1], simulation.simulate)
+    fitting = [row for row in squeezed if row[2] is not None]
+    assert fitting and all(peak <= peaks[1] for _, peak, _ in fitting)
+    assert plan.fastest(squeezed) == fitting[0][0] and len(fitting) < len(squeezed)
+    with pytest.raises(ConfigError, match="no candidate"):
+        plan.fastest(plan.plan(cfg, config, 2, 0, training, machine, peaks[0] / 2, simulation.simulate))
+
+
+def run_main(capsys, *args):
+    with pytest.raises(SystemExit) as exit_info:
+        sys.exit(train_script.main(list(args)))
+    return exit_info.value.code, capsys.readouterr().out
+
+
+@SIMULATES
+def test_the_dry_run_predicts_the_step_on_this_cpu_and_the_plan_lists_candidates_fastest_first(capsys):
+    code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=1", *TINY_STEP, "--max_steps=10")
+    assert code == 0, out
+    predicted = re.search(
+        r"^predicted step: ([\d.e-]+) s = compute .* \(on this machine's CPU, timed now", out, re.M
+    )
+    assert predicted and float(predicted[1]) > 0, out
+    assert re.search(r"^predicted: [\d,]+ tokens/s per device; 10 steps in \d+:\d\d:\d\d$", out, re.M), out
+    code, out = run_main(
+        capsys, "--plan", "--gpu=cpu", "--world_size=1", *TINY_STEP, "--activation_checkpointing=auto"
+    )
+    rows = re.findall(r"^  (\S+) +(none|op|selective|full) +(\d+) +([\d.e-]+) ", out, re.M)
+    assert code == 0 and len(rows) == 4, out  # every checkpointing mode fits
+    steps = [float(row[3]) for row in rows]
+    assert steps == sorted(steps)
+
+
+def test_auto_options_are_refused_where_they_make_no_sense():
+    with pytest.raises(ConfigError, match="--batch_size must be a number or auto, got 'fast'"):
+        validated(parse_options(["--model=tiny", "--batch_size=fast"]))
+    with pytest.raises(ConfigError, match="--shard_group_size=3 needs --sharding=hybrid"):
+        validated(copy.copy(parse_options(["--model=tiny", "--dry_run", "--shard_group_size=3"])))
