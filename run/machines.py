@@ -6,7 +6,10 @@ report's figures (matmul rate, memory bandwidth, busbw per collective and messag
 datasheet."""
 
 import bisect
+import functools
 import os
+import statistics
+import time
 
 import torch
 
@@ -20,8 +23,7 @@ COPY_OF_PEAK = 2.90 / 3.35
 # Without a report, the collectives of a GPU node: NVLink 4 ring busbw of 8 H100s (nccl-tests, NVLS off)
 # inside a node, one 400 Gb/s NIC per GPU between nodes (46 GB/s each).
 ASSUMED_BUSBW_GBPS = {"intra-node": 360.0, "inter-node": 46.0}
-KERNEL_LAUNCH_S = 5e-6  # the least a GPU kernel costs, from its launch
-HOST_ISSUE_S = 12e-6  # the host's time to issue one operation of an eager FSDP2 step (Python and dispatch)
+KERNEL_LAUNCH_S = 5e-6  # a CUDA kernel's launch, on the host, and the least a kernel costs on the device
 # The fraction of the data crossing the slowest link, by kind: nccl-tests' busbw factors.
 BUSBW_FACTORS = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
                  "reduce-scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}  # fmt: skip
@@ -30,13 +32,21 @@ SWEEP_NAMES = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-s
 
 
 class Machine:
-    """overlaps: collectives run beside compute (a GPU's streams), or in turn with it (a CPU's cores);
-    issue_s: the host's time per operation; notes: what the costing could not see."""
+    """overlaps: collectives run beside compute on a GPU's streams, while the host issues the operations
+    ahead of the device (issue_seconds); on a CPU the operations run as they are issued, in turn with the
+    collectives. notes: what the costing could not see."""
 
-    overlaps, issue_s = True, HOST_ISSUE_S
+    overlaps = True
 
     def __init__(self, name):
         self.name, self.notes, self.timed = name, [], {}
+
+    def issue_seconds(self, event):
+        """The host's time to issue an event: dispatching it (as measured on this host) and, for an
+        operation that computes, launching its kernel. 0 where the device runs what the host issues."""
+        if not self.overlaps:
+            return 0.0
+        return host_dispatch_s() + (0.0 if event.free or event.collective else KERNEL_LAUNCH_S)
 
     def seconds(self, event):
         """(seconds, how they were found) of one event on this machine."""
@@ -102,7 +112,7 @@ class Report(Datasheet):
             self.flops_per_s = {torch.bfloat16: rate, torch.float16: rate, torch.float32: rate / 2}
             self.bytes_per_s = min(g["copy_GB/s"] for g in gpus) * 1e9
         else:  # a CPU: every core's matmul, and the memory copy of all cores, shared by the node's ranks
-            self.overlaps, self.issue_s = False, 0.0
+            self.overlaps = False
             per_node = report["world"]["ranks_per_node"]
             cpu = next(iter(v for k, v in report["cpu"].items() if k != "aggregate"))
             memory = next(iter(v for k, v in report["memory"].items() if k != "aggregate"))
@@ -152,7 +162,6 @@ class ThisDevice(Machine):
         super().__init__(f"this machine's {'GPU' if device.type == 'cuda' else 'CPU'}, timed now")
         self.device, self.report, cores = device, report, os.cpu_count() or 1
         self.overlaps = device.type == "cuda"
-        self.issue_s = HOST_ISSUE_S if self.overlaps else 0.0
         self.threads = max(1, cores // processes)
         self.shared = 1.0 if self.overlaps else max(1.0, processes / cores)
 
@@ -250,3 +259,17 @@ def newest_report(folder, gpu):
         ):
             return path
     return None
+
+
+@functools.cache
+def host_dispatch_s():
+    """This host's time to dispatch one small operation from Python, the median of three loops of a
+    thousand: what the host spends on each operation of an eager step besides its kernel's launch."""
+    ones, add = torch.ones(4), torch.ops.aten.add.Tensor
+    loops = []
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(1000):
+            add(ones, ones)
+        loops.append((time.perf_counter() - started) / 1000)
+    return statistics.median(loops)

@@ -225,7 +225,7 @@ def play(events, machine):
             if machine.overlaps and (event.collective or event.name in COMM_STREAM_COPIES)
             else "compute"
         )
-        issued = free["host"] = free["host"] + machine.issue_s
+        issued = free["host"] = free["host"] + machine.issue_seconds(event)
         waits_for = [writer[storage] for storage in event.reads + event.writes if storage in writer]
         ready = max((finish[other] for other in waits_for), default=0.0)
         start = max(issued, ready, free[stream])
