@@ -162,6 +162,11 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
         (["--init_from=/no/such/model"], {}, "--init_from=/no/such/model: no such folder"),
         (["--model=tiny", "--log_dir=/proc/logs"], {}, "--log_dir=/proc/logs is not writable"),
         (["--model=tiny", "--data=/proc"], {}, "--data=/proc is on the kernel's proc filesystem"),
+        (
+            ["--dry_run", "--sharding=hybrid", "--world_size=8"],
+            {},
+            "--sharding=hybrid over groups of 8 of 8 processes is --sharding=full",
+        ),
         (["--model=tiny", "--data=hf:/sys"], {}, "--data=hf:/sys is on the kernel's sysfs filesystem"),
         (
             ["--model=tiny", "--data=train.py", "--data_cache=/proc/cache", "--tokenizer=./no_tokenizer"],
