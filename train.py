@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import types
+from typing import Literal
 
 if __name__ == "__main__":
     # Importing torch and transformers creates millions of objects that live as long as the process; the
@@ -66,7 +67,7 @@ n_positions: int | None = None      # longest sequence the model can take
 vocab_size: int | None = None       # dummy data draws from it; real data: the tokenizer's size
 # Data and batch
 data: str = "dummy"                 # dummy | wikitext | c4 | hf:NAME[:CONFIG] | a file or folder (docs/DATA)
-batch_size: int | str = 8           # sequences per device per micro-step | auto: the fastest that fits
+batch_size: int | Literal["auto"] = 8  # sequences per device per micro-step | auto: the fastest that fits
 seq_length: int | None = None       # tokens per sequence; None: the model's n_positions
 global_batch_size: int = 256        # sequences per optimizer step, whatever the number of processes
 num_epochs: int = 1
@@ -97,8 +98,8 @@ mixed_precision: str = "auto"       # bf16 (compute; fp32 weights and reduction)
 # Checkpoints and fault tolerance
 checkpoint_dir: str = "checkpoints"
 run_name: str | None = None         # None: derived from the arguments, so a relaunch or requeue resumes
-checkpoint_every: int | str = 500   # steps; a checkpoint is also written at the end and on SIGTERM/SIGUSR1.
-                                    #   auto: Young/Daly's sqrt(2 x save time x MTBF) (docs/SLURM.md)
+checkpoint_every: int | Literal["auto"] = 500  # steps; also at the end and on SIGTERM/SIGUSR1; auto:
+                                    #   Young/Daly's sqrt(2 x save time x MTBF) (docs/SLURM.md)
 node_mtbf_hours: float = 6335.0     # auto's mean time between failures of one node (Llama 3's rate), over
                                     #   the number of nodes: 6,335 h = 2,048 nodes x 54 days / 419 stops
 keep_last: int = 3                  # older step_N folders are removed; 0 keeps all

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 import types
+import typing
 
 import yaml
 
@@ -117,12 +118,16 @@ BOOLEANS = dict.fromkeys(("1", "true", "yes", "on"), True) | dict.fromkeys(("0",
 
 def convert(name, value, hint, where):
     """value: a flag's text, or a YAML value, typed already or text read the way a flag is. A union takes the
-    first of its types that reads the value (int | str: 500 is a number, auto a word)."""
+    first of its types that reads the value (int | Literal["auto"]: 500 is a number, auto the word)."""
     kinds = [t for t in getattr(hint, "__args__", (hint,)) if t is not type(None)]
     allows_none = type(None) in getattr(hint, "__args__", ())
     if allows_none and (value is None or isinstance(value, str) and value.lower() == "none"):
         return None
     for kind in kinds:
+        if typing.get_origin(kind) is typing.Literal:
+            if value in typing.get_args(kind):
+                return value
+            continue
         converted = value
         if isinstance(value, str) and kind is bool:
             converted = BOOLEANS.get(value.lower(), value)
@@ -133,7 +138,8 @@ def convert(name, value, hint, where):
             if kind is not float or math.isfinite(converted):
                 return kind(converted)
     names = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
-    expected = " or ".join(names[kind] for kind in kinds)
+    words = [names.get(kind) or " or ".join(map(repr, typing.get_args(kind))) for kind in kinds]
+    expected = " or ".join(words)
     raise ConfigError(
         f"{where}{name} expects {expected}{' or none' if allows_none else ''}, got {quoted(repr(value))}"
     )

@@ -84,9 +84,6 @@ def check_ranges(args, shape):
     """Each value out of range is its own line, all of them at once."""
     problems = [f"--{name} must be positive, got {getattr(shape, name)}" for name in shape.names
                 if getattr(shape, name) <= 0]  # fmt: skip
-    for name in ("checkpoint_every", "batch_size"):
-        if getattr(args, name) != "auto" and not isinstance(getattr(args, name), int):
-            problems.append(f"--{name} must be a number or auto, got {getattr(args, name)!r}")
     problems += [f"--{name} must be positive, got {getattr(args, name)}" for name in POSITIVE
                  if isinstance(getattr(args, name), (int, float)) and getattr(args, name) <= 0]  # fmt: skip
     problems += [f"--{name} must not be negative, got {getattr(args, name)}" for name in NOT_NEGATIVE

@@ -233,8 +233,8 @@ def test_config_file_sets_constants_and_flags_override_it(tmp_path, capsys):
     "text, message",
     [
         ("batch_sise: 4\n", "run.yaml: unknown key 'batch_sise'; did you mean batch_size?"),
-        ("batch_size: four\n", "run.yaml: batch_size expects an integer, got 'four'"),
-        ("batch_size: 2.5\n", "run.yaml: batch_size expects an integer, got 2.5"),
+        ("batch_size: four\n", "run.yaml: batch_size expects an integer or 'auto', got 'four'"),
+        ("batch_size: 2.5\n", "run.yaml: batch_size expects an integer or 'auto', got 2.5"),
         ("compile: 1.0\n", "run.yaml: compile expects true or false, got 1.0"),
         ("model: 7\n", "run.yaml: model expects a string, got 7"),
         ("- model\n", "run.yaml: expected a mapping of name: value, got list"),

@@ -114,7 +114,7 @@ def test_the_dry_run_predicts_the_step_on_this_cpu_and_the_plan_lists_candidates
 
 
 def test_auto_options_are_refused_where_they_make_no_sense():
-    with pytest.raises(ConfigError, match="--batch_size must be a number or auto, got 'fast'"):
-        validated(parse_options(["--model=tiny", "--batch_size=fast"]))
+    with pytest.raises(ConfigError, match="--batch_size expects an integer or 'auto', got 'fast'"):
+        parse_options(["--model=tiny", "--batch_size=fast"])
     with pytest.raises(ConfigError, match="--shard_group_size=3 needs --sharding=hybrid"):
         validated(copy.copy(parse_options(["--model=tiny", "--dry_run", "--shard_group_size=3"])))

@@ -99,7 +99,7 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
     "args, env, message",
     [
         (["--batch_sise=4"], {}, "unknown option --batch_sise; did you mean --batch_size?"),
-        (["--batch_size=four"], {}, "--batch_size expects an integer, got 'four'"),
+        (["--batch_size=four"], {}, "--batch_size expects an integer or 'auto', got 'four'"),
         (["--compile=maybe"], {}, "--compile expects true or false"),
         (
             ["--global_batch_size=12", "--batch_size=8"],
@@ -139,7 +139,7 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
         (
             ["--checkpoint_every=often"],
             {},
-            "--checkpoint_every must be a number or auto, got 'often'",
+            "--checkpoint_every expects an integer or 'auto', got 'often'",
         ),
         (["--checkpoint_every=0"], {}, "--checkpoint_every must be positive, got 0"),
         (["--lr", "0.001"], {}, "--lr 0.001: write --lr=0.001 (options are written --name=value)"),
