@@ -168,14 +168,17 @@ class Checkpointer:
                 self.pending = (self.hasher.submit(self.written, future, temporary), temporary, final)
             else:
                 dcp.save(state, checkpoint_id=temporary)
-            # The data position is per rank for streams; RNG states are per rank always.
+            # RNG states are per rank; the data position is a stream's per rank, else one for the run, which
+            # trainer_state.json keeps (readable, and the same at any world size).
             position, rank_file = batches.state_dict(), os.path.join(temporary, f"rank{self.rank}.pt")
-            torch.save({"rng": rng_states(), "data": position}, rank_file)
+            per_rank = {"data": position} if batches.position_per_rank else {}
+            torch.save({"rng": rng_states(), **per_rank}, rank_file)
             if self.rank == 0:
                 shape = {name: getattr(self.shape, name) for name in self.shape.names}
                 family = self.shape.config_class.__name__
                 trainer_state = dict(trainer_state, config=vars(self.args), family=family, shape=shape)
-                trainer_state.update(data=position)
+                if not batches.position_per_rank:
+                    trainer_state.update(data=position)
                 trainer_state.update(scheduler=scheduler.state_dict(), world_size=self.world_size)
                 with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
                     json.dump(trainer_state, f, indent=1)
@@ -411,19 +414,20 @@ class Checkpointer:
             )
             scheduler.load_state_dict(trainer_state["scheduler"])
             self.apply_changed_options(trainer_state.get("config", {}), optimizer, scheduler)
-        rank_file = os.path.join(path, f"rank{self.rank}.pt")
-        if trainer_state["world_size"] == self.world_size:
-            rank_state = self.load_safely(load_file, rank_file)
+        same_world = trainer_state["world_size"] == self.world_size
+        if same_world:  # another world size's ranks drew other random numbers: theirs do not carry over
+            rank_state = self.load_safely(load_file, os.path.join(path, f"rank{self.rank}.pt"))
             restore_rng_states(rank_state["rng"])
+        if not batches.position_per_rank:  # window positions do not depend on the world size
+            batches.load_state_dict(trainer_state["data"])
+        elif same_world:
             batches.load_state_dict(rank_state["data"])
-        elif batches.position_per_rank:
+        else:
             writers = trainer_state["world_size"]
             self.refuse(
                 f"checkpoint {path} of a streamed run was written by {writers} processes: "
                 f"a stream's position cannot be split anew, so resume it with {writers}"
             )
-        else:  # window positions do not depend on the world size
-            batches.load_state_dict(trainer_state["data"])
         return trainer_state
 
     def apply_changed_options(self, saved, optimizer, scheduler):
