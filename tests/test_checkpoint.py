@@ -1,4 +1,3 @@
-import contextlib
 import functools
 import json
 import math
@@ -16,6 +15,7 @@ from conftest import (
     REPO,
     TINY,
     assert_same_model,
+    fill_disk,
     launch,
     read_metrics,
     run_until,
@@ -453,29 +453,6 @@ def test_lock_on_another_host_is_refused_until_requeued_or_its_heartbeat_stops(t
     assert "taking over the lock" in silent.stdout
 
 
-@pytest.fixture(scope="module")
-def small_disks(tmp_path_factory):
-    """tmpfs folders of a given size in MiB, unmounted after the module; skipped where mounting is not
-    permitted."""
-    mounted = []
-
-    def mount(size_mib):
-        folder = tmp_path_factory.mktemp("disk")
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(folder)],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode:
-            pytest.skip(f"cannot mount a tmpfs ({result.stderr.strip() or 'not permitted'}): needs root")
-        mounted.append(folder)
-        return folder
-
-    yield mount
-    for folder in mounted:
-        subprocess.run(["umount", str(folder)], check=True)
-
-
 # A tiny checkpoint takes 22 MB and its export 7 MB: 30 MiB fit one checkpoint, not two.
 SAVES = [
     (["--ckpt_format=sharded"], 2),
@@ -547,10 +524,7 @@ def test_an_empty_lock_is_taken_over(tmp_path, capsys):
 
 def test_a_full_disk_is_one_line_before_training_and_leaves_no_lock_file(small_disks):
     disk = small_disks(1)
-    with contextlib.suppress(OSError), open(disk / "filler", "wb") as file:
-        while True:
-            file.write(bytes(65536))
-            file.flush()
+    fill_disk(disk)
     with pytest.raises(ConfigError, match=r"is not writable \(No space left on device\)"):
         options.writable_folder("--checkpoint_dir", str(disk))
     with pytest.raises(

@@ -4,10 +4,12 @@ killed, stopped and relaunched; and the checkpoint interval of --checkpoint_ever
 import json
 import re
 import signal
+import time
 
 import pytest
-from conftest import TINY, run_training, run_until
+from conftest import TINY, fill_disk, run_training, run_until
 
+from common.files import create_atomically
 from run import goodput
 
 RUN = [*TINY, "--seq_length=32", "--max_steps=16", "--checkpoint_every=5", "--run_name=g"]
@@ -74,3 +76,27 @@ def test_auto_interval_is_chosen_by_rank_0_and_followed_by_every_rank(tmp_path):
     gaps = [later - earlier for earlier, later in zip(periodic, periodic[1:])]
     assert all(min(chosen) <= gap <= max(chosen) for gap in gaps), (saved, lines)
     assert_adds_up(ledger(tmp_path))
+
+
+def test_a_ledger_that_cannot_be_replaced_warns_once_and_leaves_no_temporary_file(
+    tmp_path, small_disks, capsys
+):
+    """Where the ledger's path is a folder, or its disk is full, the run goes on without it: one warning, and
+    no goodput.json.<pid>.tmp left beside it (the rename or the write failed, and the temporary file
+    stayed)."""
+    blocked = tmp_path / "blocked"
+    (blocked / goodput.LEDGER).mkdir(parents=True)
+    full = small_disks(1)
+    fill_disk(full)
+    for folder, why in (blocked, "Is a directory"), (full, "No space left on device"):
+        ledger = goodput.Ledger(str(folder), time.time())
+        for _ in range(2):
+            ledger.write()
+        unwritten = [line for line in capsys.readouterr().err.splitlines() if "cannot write" in line]
+        assert unwritten == [
+            f"warning: cannot write {folder / goodput.LEDGER} ({why}); training goes on without it"
+        ]
+        assert not list(folder.glob("*.tmp")), list(folder.iterdir())
+    with pytest.raises(OSError):  # the benchmark's reports are created the same way
+        create_atomically(full / "report.yaml", "verdict: pass\n" * 1000)
+    assert sorted(path.name for path in full.iterdir()) == ["filler"]
