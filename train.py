@@ -199,7 +199,7 @@ def main(argv):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args, total_steps))
     model_flops = flops_per_token(meta_model, model_config, args.seq_length)
     progress = Progress(args, model_flops, device, total_steps, start_time, log_folder)
-    benchmark_s = float(os.environ.get("BENCHMARK_SECONDS", 0))  # the job's benchmarks, before this launch
+    benchmark_s = goodput.benchmark_seconds(rank == 0)  # the job's benchmarks, before this launch
     ledger = goodput.Ledger(log_folder, goodput.launch_start(), benchmark_s, rank == 0)
     stragglers = StragglerWatch(decoder_layers(model), args, device, log_folder, stop_requests)
     non_finite = stops.NonFiniteSteps(args.max_bad_steps, run_dir, rank == 0)

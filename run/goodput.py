@@ -13,6 +13,7 @@ The parts add up to wall_s, from the first launch's start to the last update:
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -46,6 +47,64 @@ def launch_start():
         return time.time()
 
 
+def benchmark_seconds(master):
+    """$BENCHMARK_SECONDS: how long the job's benchmarks ran before this launch (run/job.py sets it); 0 when
+    unset, and when it is not a finite number of seconds, with one warning (rank 0's)."""
+    text = os.environ.get("BENCHMARK_SECONDS")
+    if text is None:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not_seconds(value) or value > time.time():
+        if master:
+            print(f"warning: BENCHMARK_SECONDS={text[:40]!r} is not a number of seconds; the benchmarks' "
+                  f"time is left out of {LEDGER}", file=sys.stderr, flush=True)  # fmt: skip
+        return 0.0
+    return value
+
+
+def not_seconds(value):
+    """Why value is not a number of seconds (or a time since the epoch), or None."""
+    if type(value) not in (int, float):
+        return f"{json.dumps(value)[:40]}, not a number"
+    if not math.isfinite(value) or value < 0:
+        return f"{value}, not a finite number 0 or more"
+    return None
+
+
+COUNTS = ("lost_steps", "launches")
+# Launches on other nodes read other clocks: a part this much longer than the run so far is damage.
+CLOCK_SLACK_S = 3600
+
+
+def ledger_problem(totals, marks):
+    """Why the figures of a ledger read back cannot be carried on, or None: each a finite number of seconds no
+    longer than the run so far, each count a whole number, none negative, and the marks of the kinds write()
+    gives them."""
+    times = {f"marks.{key}": marks[key] for key in ("first_start", "updated")}
+    for name, value in {**totals, **times}.items():
+        if name in COUNTS and (type(value) is not int or value < 0):
+            return f"{name} is {json.dumps(value)[:40]}, not a whole number 0 or more"
+        if name not in COUNTS and (why := not_seconds(value)):
+            return f"{name} is {why}"
+    wall = marks["updated"] - marks["first_start"]
+    if longer := next((part for part in PARTS if totals[part] > wall + CLOCK_SLACK_S), None):
+        return f"{longer} is {totals[longer]:.4g} s, longer than the run's {max(wall, 0):.4g} s"
+    if type(marks["step"]) is not int or marks["step"] < 0:
+        return f"marks.step is {json.dumps(marks['step'])[:40]}, not a step number"
+    saves = marks["at_checkpoint"]
+    if not isinstance(saves, dict):
+        return f"marks.at_checkpoint is {json.dumps(saves)[:40]}, not a record of steps"
+    for step, productive_s in saves.items():
+        if not (step.isascii() and step.isdigit()):
+            return f"marks.at_checkpoint has {step[:40]!r}, not a step number"
+        if why := not_seconds(productive_s):
+            return f"marks.at_checkpoint.{step} is {why}"
+    return None
+
+
 class Ledger:
     """The account of the run's time, kept by every rank and written by rank 0 (master). A relaunch reads the
     ledger its earlier launches left; a damaged one is set aside with a warning and the account starts
@@ -68,15 +127,30 @@ class Ledger:
             with open(self.path) as file:
                 saved = json.load(file)
             totals = {key: saved[key] for key in self.totals}
-            marks = saved["marks"]
-            if not all(isinstance(value, (int, float)) for value in totals.values()):
-                raise TypeError("a figure is not a number")
-            self.totals, self.marks = totals, {**self.marks, **marks, "first_start": marks["first_start"]}
+            marks = {**self.marks, **saved["marks"], "first_start": saved["marks"]["first_start"]}
+            if problem := ledger_problem(totals, marks):
+                raise ValueError(problem)
+            self.totals, self.marks = totals, marks
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            print(f"warning: {self.path} is unreadable ({error}); the run's time is counted from this launch",
-                  file=sys.stderr, flush=True)  # fmt: skip
+        except OSError as error:
+            self.set_aside(error.strerror)
+        except KeyError as error:
+            self.set_aside(f"no {error}")
+        except (ValueError, TypeError) as error:
+            self.set_aside(error)
+
+    def set_aside(self, why):
+        """A damaged ledger is renamed, so that this launch's writes keep it, and said in one warning."""
+        when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = f"{os.path.splitext(self.path)[0]}.damaged_{when}.json"
+        try:
+            os.rename(self.path, aside)
+            kept = f"set aside as {aside}"
+        except OSError:
+            kept = "left as it is"
+        print(f"warning: {self.path} is damaged ({why}); {kept}, and the run's time is counted from this "
+              f"launch", file=sys.stderr, flush=True)  # fmt: skip
 
     def resumed_at(self, step, mean_step_s):
         """The launch's first step follows `step`: the steps done after it by earlier launches are lost."""
