@@ -84,16 +84,14 @@ def test_a_ledger_that_cannot_be_replaced_warns_once_and_leaves_no_temporary_fil
     """Where the ledger's path is a folder, or its disk is full, the run goes on without it: one warning, and
     no goodput.json.<pid>.tmp left beside it (the rename or the write failed, and the temporary file
     stayed)."""
-    blocked = tmp_path / "blocked"
-    (blocked / goodput.LEDGER).mkdir(parents=True)
-    full = small_disks(1)
+    blocked, full = tmp_path, small_disks(1)
+    ledgers = {folder: goodput.Ledger(str(folder), time.time()) for folder in (blocked, full)}
+    (blocked / goodput.LEDGER).mkdir()  # once read: a folder read back as the ledger is set aside
     fill_disk(full)
     for folder, why in (blocked, "Is a directory"), (full, "No space left on device"):
-        ledger = goodput.Ledger(str(folder), time.time())
         for _ in range(2):
-            ledger.write()
-        unwritten = [line for line in capsys.readouterr().err.splitlines() if "cannot write" in line]
-        assert unwritten == [
+            ledgers[folder].write()
+        assert capsys.readouterr().err.splitlines() == [
             f"warning: cannot write {folder / goodput.LEDGER} ({why}); training goes on without it"
         ]
         assert not list(folder.glob("*.tmp")), list(folder.iterdir())
@@ -181,3 +179,15 @@ def test_an_intact_ledger_is_carried_on(tmp_path, capsys):
     ledger.write()
     figures = json.loads((tmp_path / goodput.LEDGER).read_text())
     assert figures["launches"] == 2 and figures["lost_steps"] == 2 and capsys.readouterr().err == ""
+
+
+def test_a_launch_that_dies_before_its_first_log_window_still_counts(tmp_path):
+    """The second launch stops before its first step (it is refused when it loads the checkpoint: another
+    model family under the same run name); the ledger was written as it started, so it counts."""
+    run_training(tmp_path, *RUN, "--max_steps=2", nproc=0)
+    refused = run_training(tmp_path, *RUN, "--max_steps=4", "--model=tiny-llama", nproc=0, expect_ok=False)
+    assert refused.returncode == 2 and "holds a GPT2Config model" in refused.stderr, refused.stderr[-3000:]
+    assert "step      3/" not in refused.stdout
+    after = ledger(tmp_path)
+    assert after["launches"] == 2 and after["marks"]["step"] == 2
+    assert_adds_up(after)
