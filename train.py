@@ -190,6 +190,9 @@ def main(argv):
     resume_path = checkpointer.choose(args.resume_from, meta_model)  # the newest usable checkpoint
     if launch.already_finished(args, resume_path, total_steps, run_dir, rank == 0):
         return launch.teardown(lock)
+    benchmark_s = goodput.benchmark_seconds(rank == 0)  # the job's benchmarks, before this launch
+    ledger = goodput.Ledger(log_folder, goodput.launch_start(), benchmark_s, rank == 0)
+    ledger.launch_started()
     if rank == 0:
         run_log.write_run_folder(args, log_folder)
         print_start(args, shape, model_config, meta_model, device, total_steps)
@@ -199,8 +202,6 @@ def main(argv):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args, total_steps))
     model_flops = flops_per_token(meta_model, model_config, args.seq_length)
     progress = Progress(args, model_flops, device, total_steps, start_time, log_folder)
-    benchmark_s = goodput.benchmark_seconds(rank == 0)  # the job's benchmarks, before this launch
-    ledger = goodput.Ledger(log_folder, goodput.launch_start(), benchmark_s, rank == 0)
     stragglers = StragglerWatch(decoder_layers(model), args, device, log_folder, stop_requests)
     non_finite = stops.NonFiniteSteps(args.max_bad_steps, run_dir, rank == 0)
     if resume_path:

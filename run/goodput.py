@@ -1,5 +1,5 @@
 """Goodput: where the hours of a run went, across every launch and requeue of it, in <run folder>/goodput.json
-(rank 0's, written atomically at every log window, checkpoint and end).
+(rank 0's, written atomically as each launch starts, at every log window, checkpoint and end).
 
 The parts add up to wall_s, from the first launch's start to the last update:
 - productive_s: steps whose results were kept;
@@ -112,7 +112,7 @@ class Ledger:
 
     def __init__(self, folder, started, benchmark_s=0.0, master=True):
         self.path, self.writable, self.master = os.path.join(folder, LEDGER), master, master
-        self.started, self.first_step_done = started, False
+        self.first_step_done = False
         self.totals = {part: 0.0 for part in PARTS} | {"lost_steps": 0, "launches": 0}
         began = started - benchmark_s  # the job's benchmarks came before this launch, in the run's time
         self.marks = {"first_start": began, "updated": began, "step": 0, "at_checkpoint": {}}
@@ -121,6 +121,9 @@ class Ledger:
         self.totals["launches"] += 1
         self.totals["benchmark_s"] += benchmark_s
         self.totals["waiting_s"] += max(0.0, started - benchmark_s - self.marks["updated"])
+        # Start-up is counted up to started_up_to. The process's start is known to the second (the boot time's
+        # precision), and a launch on another node reads another clock: never from before the last update.
+        self.started_up_to = max(started, self.marks["updated"])
 
     def read_earlier_launches(self):
         try:
@@ -164,11 +167,19 @@ class Ledger:
         self.marks["step"] = step
         self.marks["at_checkpoint"] = {k: v for k, v in self.marks["at_checkpoint"].items() if int(k) <= step}
 
+    def launch_started(self):
+        """Writes the ledger with the start-up so far, before anything of the launch can fail: a launch that
+        dies before its first step still counts."""
+        now = time.time()
+        self.totals["startup_s"] += now - self.started_up_to
+        self.started_up_to = now
+        self.write(now)
+
     def step_done(self, step, seconds):
         """A step of seconds done: the launch's first also ends its start-up, and says where it resumed."""
         if not self.first_step_done:
             self.first_step_done = True
-            self.totals["startup_s"] += time.time() - seconds - self.started
+            self.totals["startup_s"] += time.time() - seconds - self.started_up_to
             self.resumed_at(step - 1, seconds)
         self.totals["productive_s"] += seconds
         self.marks["step"] = step
