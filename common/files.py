@@ -37,6 +37,20 @@ def create_atomically(path, text):
     os.remove(temporary)
 
 
+def append_whole(file, text):
+    """Appends text to a file opened unbuffered ("ab", buffering=0) in full or not at all: a write that a
+    filling disk cuts short is undone before its error goes on, so that a reader never meets half a record."""
+    fd, data = file.fileno(), memoryview(text.encode())
+    end = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        while data:
+            data = data[os.write(fd, data) :]
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, end)
+        raise
+
+
 def matplotlib_writes_under(folder):
     """matplotlib keeps a font cache in ~/.cache/matplotlib unless MPLCONFIGDIR names another folder; a run
     writes only under the folders it was given, so its cache goes under folder (a user's MPLCONFIGDIR
