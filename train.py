@@ -196,6 +196,7 @@ def main(argv):
     if rank == 0:
         run_log.write_run_folder(args, log_folder)
         print_start(args, shape, model_config, meta_model, device, total_steps)
+        describe_epochs(args, total_steps, batches, epoch_steps)
 
     model = init_or_load(build_model(model_config, args, device, mesh), model_config, args)
     optimizer = build_optimizer(model, args, fused=device.type == "cuda")
@@ -519,6 +520,25 @@ def open_batches(args, shape, tokenizer, world_size, rank, accumulation, device)
         batches, validation_window, windows["validation"], accumulation=1, prefetch=False, shuffle=False
     )
     return train, evaluation, windows["train"] // args.global_batch_size
+
+
+def describe_epochs(args, total_steps, batches, epoch_steps):
+    """One line at the start of a run on a corpus: how many passes over its training windows the run's steps
+    make, and the option that set them; a warning when --max_steps makes more than --num_epochs asks for (a
+    small corpus was repeated a thousand times without a word)."""
+    if args.data == "dummy" or epoch_steps is None:  # generated data, or a stream of unknown length
+        return
+    epochs = total_steps * args.global_batch_size / batches.n_windows
+    corpus = f"--data={args.data} ({batches.n_windows:,} windows of {args.seq_length} tokens)"
+    if total_steps > args.num_epochs * epoch_steps:
+        needed = math.ceil(total_steps / epoch_steps)
+        print(f"warning: --max_steps={args.max_steps} makes {epochs:,.2f} epochs of {corpus}, more than "
+              f"--num_epochs={args.num_epochs} asks for: the corpus repeats; lower --max_steps, give more "
+              f"data, or set --num_epochs={needed} to mean it", file=sys.stderr, flush=True)  # fmt: skip
+        return
+    setting = f"--max_steps={args.max_steps}" if args.max_steps > 0 else f"--num_epochs={args.num_epochs}"
+    print(f"data: {total_steps:,} steps of {args.global_batch_size} sequences make {epochs:,.2f} epochs of "
+          f"{corpus}, as {setting} sets", flush=True)  # fmt: skip
 
 
 def prepare_data(args, tokenizer):

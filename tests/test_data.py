@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 from types import SimpleNamespace
 
@@ -125,6 +126,11 @@ def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(text_ru
     evaluated = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evaluated] == [10, 20, 30, 40]
     assert "val loss" in result.stdout
+    passes = (
+        r"^data: 40 steps of 16 sequences make 0\.\d\d epochs of --data=\S+ \([\d,]+ windows of 32 tokens\), "
+    )
+    assert re.search(passes + r"as --max_steps=40 sets$", result.stdout, re.M), result.stdout[:3000]
+    assert "warning:" not in result.stderr
     val_losses = [r["val_loss"] for r in evaluated]
     assert val_losses[-1] < val_losses[0] - 0.2, val_losses
     assert val_losses[-1] < 0.5 * records[0]["loss"], (records[0]["loss"], val_losses)
@@ -207,6 +213,33 @@ def test_resuming_text_with_another_seq_length_is_refused(tmp_path, tokenizer_di
         f"error: checkpoint {tmp_path}/windows/step_2 read --data={corpus} in windows of --seq_length=32, "
         "and its data position counts those windows; resume with --seq_length=32, or start another --run_name"
     )
+
+
+@pytest.fixture(scope="module")
+def small_corpus_run(tmp_path_factory, tokenizer_dir):
+    """A corpus of a few global batches, and a 3-step one-process run on it that saves a checkpoint at its
+    end: (folder, corpus, the run's arguments without --max_steps, result)."""
+    folder = tmp_path_factory.mktemp("small")
+    corpus = folder / "corpus"
+    write_lines(corpus / "train.txt", 70, seed=1)
+    write_lines(corpus / "validation.txt", 20, seed=2)
+    args = [*DATA, f"--data={corpus}", "--eval_every=0", "--run_name=small", f"--checkpoint_dir={folder}"]
+    return folder, corpus, args, run(folder, tokenizer_dir, *args, "--max_steps=3", nproc=0, expect_ok=False)
+
+
+def test_max_steps_that_repeat_the_corpus_beyond_num_epochs_warn_in_one_line(small_corpus_run):
+    folder, corpus, _, result = small_corpus_run
+    assert_ran(result)
+    [sidecar] = (folder / "cache").glob("corpus-*/train.bin.json")
+    windows = (json.loads(sidecar.read_text())["tokens"] - 1) // 32
+    assert 16 <= windows < 32  # 3 steps of 16 sequences read more than one pass: num_epochs=1 asks for one
+    assert result.stderr.count("warning:") == 1, result.stderr
+    assert (
+        f"warning: --max_steps=3 makes {3 * 16 / windows:,.2f} epochs of --data={corpus} ({windows} windows "
+        f"of 32 tokens), more than --num_epochs=1 asks for: the corpus repeats; lower --max_steps, give more "
+        f"data, or set --num_epochs={math.ceil(3 / (windows // 16))} to mean it"
+    ) in result.stderr.splitlines()
+    assert not re.search(r"^data: .* epochs of", result.stdout, re.M)  # the warning says it instead
 
 
 def test_one_process_with_accumulation_matches_two_processes_on_text(text_runs):
