@@ -372,6 +372,7 @@ class Batches:
     load_state_dict() restores it before the first batch is taken."""
 
     position_per_rank = False  # whether each rank has its own position (a stream's) or all share one
+    corpus = None  # the token file a position counts windows of (prepare.token_file_identity), if any
 
     def __init__(self, accumulation, device, prefetch):
         self.accumulation, self.device, self.prefetch = accumulation, device, prefetch
@@ -516,6 +517,7 @@ def open_batches(args, shape, tokenizer, world_size, rank, accumulation, device)
         functools.partial(token_window, tokens[split], args.seq_length) for split in ("train", "validation")
     )
     train = batches(train_window, windows["train"], accumulation=accumulation, prefetch=True, shuffle=True)
+    train.corpus = prepare.token_file_identity(paths["train"])
     evaluation = functools.partial(
         batches, validation_window, windows["validation"], accumulation=1, prefetch=False, shuffle=False
     )

@@ -175,7 +175,7 @@ class Checkpointer:
                 shape = {name: getattr(self.shape, name) for name in self.shape.names}
                 family = self.shape.config_class.__name__
                 trainer_state = dict(trainer_state, config=vars(self.args), family=family, shape=shape)
-                trainer_state.update(data=position)
+                trainer_state.update(data=position, corpus=batches.corpus)
                 trainer_state.update(scheduler=scheduler.state_dict(), world_size=self.world_size)
                 with open(os.path.join(temporary, "trainer_state.json"), "w") as f:
                     json.dump(trainer_state, f, indent=1)
@@ -368,6 +368,22 @@ class Checkpointer:
                 f"another --run_name"
             )
 
+    def refuse_another_corpus(self, path, saved, corpus):
+        """A checkpoint whose data position counts windows of other tokens than --data holds now (the corpus
+        grew or changed, and was prepared anew) is refused: the position would point into other text. The
+        tokens' digest decides, so a corpus only touched or copied, which tokenises the same, resumes."""
+        if not corpus or not isinstance(saved, dict) or saved.get("blake2b") == corpus["blake2b"]:
+            return
+        then = saved.get("tokens")
+        then = f"{then:,}" if isinstance(then, int) else "?"
+        now = f"{corpus['tokens']:,}" if corpus["tokens"] != saved.get("tokens") else "as many, but others"
+        self.refuse(
+            f"checkpoint {path} read --data={self.args.data} as {then} training tokens "
+            f"({saved.get('prepared')}), and it now holds {now} ({corpus['prepared']}): the corpus "
+            f"changed, and the checkpoint's data position counts windows of the old tokens; resume with the "
+            f"corpus as it was, or start another --run_name"
+        )
+
     def load_safely(self, load, *args, **kwargs):
         """A file that checkpoint_problem let through and that still holds more than plain data: its
         tensors are checked only as they load. Every rank reads the shared files, so every rank refuses."""
@@ -388,6 +404,7 @@ class Checkpointer:
         with open(os.path.join(path, "trainer_state.json")) as f:
             trainer_state = json.load(f)
         self.refuse_another_run(path, trainer_state)
+        self.refuse_another_corpus(path, trainer_state.get("corpus"), batches.corpus)
         self.schedule.resumed(trainer_state["step"])
         full_file = os.path.join(path, "state_dict.pt")
         full = os.path.exists(full_file)

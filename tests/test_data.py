@@ -242,6 +242,34 @@ def test_max_steps_that_repeat_the_corpus_beyond_num_epochs_warn_in_one_line(sma
     assert not re.search(r"^data: .* epochs of", result.stdout, re.M)  # the warning says it instead
 
 
+def test_resuming_after_the_corpus_changed_is_refused_and_after_a_touch_is_not(
+    small_corpus_run, tokenizer_dir
+):
+    """The token files were prepared anew (the corpus's size or time changed) and the run resumed silently,
+    its data position counting windows of the old ones."""
+    folder, corpus, args, _ = small_corpus_run
+    os.utime(corpus / "train.txt")  # a new time, the same text: prepared anew into the same tokens
+    touched = run(folder, tokenizer_dir, *args, "--max_steps=4", nproc=0)
+    assert "data: tokenizing" in touched.stdout
+    assert f"resumed from {folder}/small/step_3 at step 3" in touched.stdout
+    saved = json.loads((folder / "small" / "step_4" / "trainer_state.json").read_text())["corpus"]
+    with open(corpus / "train.txt", "a") as file:  # it grew
+        file.write("the old king hears a dog .\n" * 20)
+    grown = run(folder, tokenizer_dir, *args, "--max_steps=5", nproc=0, expect_ok=False)
+    assert grown.returncode == 2
+    [sidecar] = [path for path in (folder / "cache").glob("corpus-*/train.bin.json")
+                 if json.loads(path.read_text())["tokens"] != saved["tokens"]]  # fmt: skip
+    now = json.loads(sidecar.read_text())["tokens"]
+    assert grown.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {folder}/small/step_4 read --data={corpus} as {saved['tokens']:,} training "
+        f"tokens ({saved['prepared']}), and it now holds {now:,} ({sidecar.parent.name}): the corpus "
+        "changed, and the checkpoint's data position counts windows of the old tokens; resume with the "
+        "corpus as it was, or start another --run_name"
+    )
+    assert "Traceback" not in grown.stderr
+    assert not (folder / "small" / "step_5").exists()
+
+
 def test_one_process_with_accumulation_matches_two_processes_on_text(text_runs):
     (two, two_result), (one, one_result) = text_runs["whole"], text_runs["one process"]
     assert_ran(two_result)
