@@ -307,11 +307,13 @@ def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint
     tmp, result = resumes["damaged"]
     run_dir, shard = tmp / "exact", tmp / "exact" / "step_24" / "__1_0.distcp"
     assert result.returncode == 0, result.stderr[-3000:]
+    [aside] = run_dir.glob("unusable_*")  # each damaged one, kept there before training went on
     assert warnings_of(result.stdout)[f"{run_dir}/step_24"] == (
         f"warning: checkpoint {run_dir}/step_24 is unusable: {shard} does not match its checksum "
-        f"(corrupt); falling back to {run_dir}/step_20"
+        f"(corrupt); set aside as {aside}/step_24; falling back to {run_dir}/step_20"
     )
     assert f"resumed from {run_dir}/step_20 at step 20" in result.stdout
+    assert sorted(path.name for path in aside.iterdir()) == [f"step_{step}" for step, _, _ in DAMAGES[::-1]]
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp)}
     assert sorted(losses) == list(range(21, 31))
     assert [losses[s] for s in range(21, 31)] == [uninterrupted[1][s] for s in range(21, 31)]
@@ -340,6 +342,8 @@ def test_no_usable_checkpoint_left_stops_naming_them(resumes):
     steps = ", ".join(f"{run_dir}/step_{step}" for step in (30, 20, 10))
     assert f"error: no usable checkpoint to resume from ({steps})" in result.stderr
     assert not (tmp / "metrics.jsonl").exists()  # stopped before training
+    kept = sorted(path.name for path in run_dir.iterdir() if path.name.startswith(("step_", "unusable_")))
+    assert kept == ["step_10", "step_20", "step_30"]  # none set aside: the run did not go on
 
 
 def test_a_run_past_its_last_step_is_refused_rather_than_exported_as_done(resumes):
