@@ -133,9 +133,10 @@ def test_full_format_and_export_load_without_this_repo(tmp_path):
     assert_rank_0_failed_first_with_status_2(changed)
     assert changed.stderr.count("has another model shape (n_embd 256 -> 128)") == 1, changed.stderr  # rank 0
     step_8 = tmp_path / "full" / "step_8"
+    [aside] = (tmp_path / "full").glob("unusable_*/step_8")
     assert (
         f"warning: checkpoint {step_8} is unusable: {step_8}/state_dict.pt does not match its checksum "
-        f"(corrupt); falling back to {tmp_path}/full/step_6"
+        f"(corrupt); set aside as {aside}; falling back to {tmp_path}/full/step_6"
     ) in changed.stdout
 
 
