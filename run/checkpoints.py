@@ -312,8 +312,8 @@ class Checkpointer:
         resumed from) and the rewind recorded (run/set_aside.py), so that the run keeps one line of
         checkpoints. A launch of the same command once that line has gone on (a requeued job), or naming a
         checkpoint an earlier launch set aside as unusable, continues it: returns None, the newest checkpoint
-        of the run, instead of rewinding again. A checkpoint of another run is only
-        read (a branch into this run)."""
+        of the run, instead of rewinding again. A checkpoint of another run is only read (a branch into this
+        run)."""
         if not self.of_this_run(resume_from):
             return resume_from
         step = re.fullmatch(r"step_(\d+)", os.path.basename(resume_from))
@@ -322,8 +322,7 @@ class Checkpointer:
         return decision[0]
 
     def rewind_run(self, resume_from, step):
-        rewinds = recorded(self.run_dir)
-        if any(rewind.get("to") == step for rewind in rewinds):
+        if any(rewind.get("to") == step for rewind in recorded(self.run_dir)):
             print(f"{resume_from}: this run was rewound to it before; continuing from its newest checkpoint")
             return None
         if set_aside_as_unusable(self.run_dir, f"step_{step}"):
