@@ -168,8 +168,8 @@ class Ledger:
         self.marks["at_checkpoint"] = {k: v for k, v in self.marks["at_checkpoint"].items() if int(k) <= step}
 
     def launch_started(self):
-        """Writes the ledger as the launch starts, with its start-up so far: a launch that dies before its first
-        log window still counts."""
+        """Writes the ledger as the launch starts, with its start-up so far: a launch that dies before its
+        first log window still counts."""
         now = time.time()
         self.totals["startup_s"] += now - self.started_up_to
         self.started_up_to = now
