@@ -205,9 +205,13 @@ def main(argv):
     resume_path = checkpointer.choose(args.resume_from, meta_model)  # the newest usable checkpoint
     if launch.already_finished(args, resume_path, total_steps, run_dir, rank == 0):
         return launch.teardown(lock)
+    benchmark_s = goodput.benchmark_seconds(rank == 0)  # the job's benchmarks, before this launch
+    ledger = goodput.Ledger(log_folder, goodput.launch_start(), benchmark_s, rank == 0)
+    ledger.launch_started()
     if rank == 0:
         run_log.write_run_folder(args, log_folder)
         print_start(args, shape, model_config, meta_model, device, total_steps)
+        describe_epochs(args, total_steps, batches, epoch_steps)
 
     model = init_or_load(build_model(model_config, args, device, mesh), model_config, args)
     optimizer = build_optimizer(model, args, fused=device.type == "cuda")
@@ -215,8 +219,6 @@ def main(argv):
     model_flops = flops_per_token(meta_model, model_config, args.seq_length)
     progress = Progress(args, model_flops, device, total_steps, start_time, log_folder)
     live = simulation.predict_own_step(args, own_step, device, world_size, model_flops) if own_step else None
-    benchmark_s = float(os.environ.get("BENCHMARK_SECONDS", 0))  # the job's benchmarks, before this launch
-    ledger = goodput.Ledger(log_folder, goodput.launch_start(), benchmark_s, rank == 0)
     stragglers = StragglerWatch(decoder_layers(model), args, device, log_folder, stop_requests)
     non_finite = stops.NonFiniteSteps(args.max_bad_steps, run_dir, rank == 0)
     if resume_path:
@@ -423,6 +425,7 @@ class Batches:
     load_state_dict() restores it before the first batch is taken."""
 
     position_per_rank = False  # whether each rank has its own position (a stream's) or all share one
+    corpus = None  # the token file a position counts windows of (prepare.token_file_identity), if any
 
     def __init__(self, accumulation, device, prefetch):
         self.accumulation, self.device, self.prefetch = accumulation, device, prefetch
@@ -567,10 +570,30 @@ def open_batches(args, shape, tokenizer, world_size, rank, accumulation, device)
         functools.partial(token_window, tokens[split], args.seq_length) for split in ("train", "validation")
     )
     train = batches(train_window, windows["train"], accumulation=accumulation, prefetch=True, shuffle=True)
+    train.corpus = prepare.token_file_identity(paths["train"])
     evaluation = functools.partial(
         batches, validation_window, windows["validation"], accumulation=1, prefetch=False, shuffle=False
     )
     return train, evaluation, windows["train"] // args.global_batch_size
+
+
+def describe_epochs(args, total_steps, batches, epoch_steps):
+    """One line at the start of a run on a corpus: how many passes over its training windows the run's steps
+    make, and the option that set them; a warning when --max_steps makes more than --num_epochs asks for (a
+    small corpus was repeated a thousand times without a word)."""
+    if args.data == "dummy" or epoch_steps is None:  # generated data, or a stream of unknown length
+        return
+    epochs = total_steps * args.global_batch_size / batches.n_windows
+    corpus = f"--data={args.data} ({batches.n_windows:,} windows of {args.seq_length} tokens)"
+    if total_steps > args.num_epochs * epoch_steps:
+        needed = math.ceil(total_steps / epoch_steps)
+        print(f"warning: --max_steps={args.max_steps} makes {epochs:,.2f} epochs of {corpus}, more than "
+              f"--num_epochs={args.num_epochs} asks for: the corpus repeats; lower --max_steps, give more "
+              f"data, or set --num_epochs={needed} to mean it", file=sys.stderr, flush=True)  # fmt: skip
+        return
+    setting = f"--max_steps={args.max_steps}" if args.max_steps > 0 else f"--num_epochs={args.num_epochs}"
+    print(f"data: {total_steps:,} steps of {args.global_batch_size} sequences make {epochs:,.2f} epochs of "
+          f"{corpus}, as {setting} sets", flush=True)  # fmt: skip
 
 
 def prepare_data(args, tokenizer):

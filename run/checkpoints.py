@@ -1,8 +1,9 @@
 """Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/, written under a temporary name and renamed once every
 rank has finished, so a folder named step_<N> is always complete. Its manifest.json holds a CRC-32 checksum
 of every other file, checked before any tensor is loaded (run/checkpoint_files.py); an unusable checkpoint is
-named and skipped for the one before it. The checksums find accidents; run/safe_load.py keeps a deliberately
-changed file from running code, reading beyond its folder or loading another model's tensors."""
+named, set aside (run/set_aside.py) and skipped for the one before it. The checksums find accidents;
+run/safe_load.py keeps a deliberately changed file from running code, reading beyond its folder or loading
+another model's tensors."""
 
 import json
 import os
@@ -24,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import (
 from common.errors import exit_after_the_speaker, fail
 from run.checkpoint_files import MANIFEST, checkpoint_problem, file_checksum, read_json
 from run.checkpoint_schedule import CheckpointSchedule, benchmark_write_GBps
-from run.options import REWINDS
 from run.safe_load import UnsafeFile, load_file, load_full, load_sharded
+from run.set_aside import recorded, set_aside, set_aside_as_unusable, set_aside_unusable
 
 # Options a checkpoint's optimizer and schedule carry values of, which a relaunch may change: the learning
 # rate and its schedule, weight decay, clipping and the run's length (where the cosine decay ends).
@@ -177,6 +178,7 @@ class Checkpointer:
                 shape = {name: getattr(self.shape, name) for name in self.shape.names}
                 family = self.shape.config_class.__name__
                 trainer_state = dict(trainer_state, config=vars(self.args), family=family, shape=shape)
+                trainer_state.update(corpus=batches.corpus)
                 if not batches.position_per_rank:
                     trainer_state.update(data=position)
                 trainer_state.update(scheduler=scheduler.state_dict(), world_size=self.world_size)
@@ -268,15 +270,15 @@ class Checkpointer:
             newest = os.path.normpath(resume_from)
             older = candidates[candidates.index(newest) + 1 :] if newest in candidates else []
             candidates = [newest] + older
-        for index, path in enumerate(candidates):
-            problem = self.problem(path, model)
-            if problem is None:
+        passed = []  # the unusable checkpoints passed over, with their problems
+        for path in candidates:
+            if (problem := self.problem(path, model)) is None:
+                self.pass_over(passed, path)
                 return path
-            if self.rank == 0:
-                following = "no earlier checkpoint is left"
-                if index + 1 < len(candidates):
-                    following = f"falling back to {candidates[index + 1]}"
-                print(f"warning: checkpoint {path} is unusable: {problem}; {following}", flush=True)
+            passed.append((path, problem))
+        for (path, problem), following in zip(passed, [*candidates[1:], None]):
+            following = f"falling back to {following}" if following else "no earlier checkpoint is left"
+            self.warn(f"checkpoint {path} is unusable: {problem}; {following}")
         if candidates:
             message = (
                 f"no usable checkpoint to resume from ({', '.join(candidates)}); delete them to start "
@@ -285,43 +287,55 @@ class Checkpointer:
             self.refuse(message)
         return None
 
+    def pass_over(self, passed, usable):
+        """The unusable checkpoints a resume passes over for usable, each said in a warning. Those of this run
+        are first set aside in <run>/unusable_<time>/ (run/set_aside.py), never removed: the save of their
+        step would replace them. Another run's checkpoints (--resume_from) are only read."""
+        own = [path for path, _ in passed if self.of_this_run(path)]
+        moved = [set_aside_unusable(self.run_dir, own) if self.rank == 0 and own else None]
+        if own:
+            dist.broadcast_object_list(moved, src=0)
+            if isinstance(moved[0], str):
+                self.refuse(moved[0])
+        for (path, problem), following in zip(passed, [*(path for path, _ in passed[1:]), usable]):
+            where = f"set aside as {moved[0][path]}; " if path in own else ""
+            self.warn(f"checkpoint {path} is unusable: {problem}; {where}falling back to {following}")
+
+    def warn(self, line):
+        if self.rank == 0:
+            print(f"warning: {line}", flush=True)
+
+    def of_this_run(self, path):
+        """Whether path is a step_N folder of this run's, which its saves may replace."""
+        in_run = os.path.abspath(os.path.dirname(path)) == os.path.abspath(self.run_dir)
+        return in_run and re.fullmatch(r"step_\d+", os.path.basename(path)) is not None
+
     def rewind(self, resume_from):
         """--resume_from=<this run>/step_K with later checkpoints: the run is rewound to step K. Its later
         checkpoints, the old future, are set aside (moved into <run>/rewound_<time>/, never removed, never
-        resumed from) and the rewind recorded in REWINDS, so that the run keeps one line of checkpoints. A
-        launch of the same command once that line has gone on (a requeued job) continues it: returns None,
-        the newest checkpoint of the run, instead of rewinding again. A checkpoint of another run is only
-        read (a branch into this run)."""
-        run_dir = os.path.dirname(resume_from) or "."
-        step = re.fullmatch(r"step_(\d+)", os.path.basename(resume_from))
-        if not step or os.path.abspath(run_dir) != os.path.abspath(self.run_dir):
+        resumed from) and the rewind recorded (run/set_aside.py), so that the run keeps one line of
+        checkpoints. A launch of the same command once that line has gone on (a requeued job), or naming a
+        checkpoint an earlier launch set aside as unusable, continues it: returns None, the newest checkpoint
+        of the run, instead of rewinding again. A checkpoint of another run is only read (a branch into this
+        run)."""
+        if not self.of_this_run(resume_from):
             return resume_from
+        step = re.fullmatch(r"step_(\d+)", os.path.basename(resume_from))
         decision = [self.rewind_run(resume_from, int(step.group(1))) if self.rank == 0 else None]
         dist.broadcast_object_list(decision, src=0)  # one rank decides and moves; every rank then sees it
         return decision[0]
 
     def rewind_run(self, resume_from, step):
-        record = os.path.join(self.run_dir, REWINDS)
-        try:
-            with open(record) as file:
-                rewinds = json.load(file)
-        except (OSError, ValueError):
-            rewinds = []
-        if any(isinstance(rewind, dict) and rewind.get("to") == step for rewind in rewinds):
+        if any(rewind.get("to") == step for rewind in recorded(self.run_dir)):
             print(f"{resume_from}: this run was rewound to it before; continuing from its newest checkpoint")
+            return None
+        if set_aside_as_unusable(self.run_dir, f"step_{step}"):
+            print(f"{resume_from}: an earlier launch found it unusable and set it aside; continuing from "
+                  f"this run's newest checkpoint", flush=True)  # fmt: skip
             return None
         later = [f"step_{s}" for s in checkpoint_steps(self.run_dir) if s > step]
         if later:
-            aside = os.path.join(self.run_dir, f"rewound_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
-            os.makedirs(aside)
-            for name in later:
-                os.rename(os.path.join(self.run_dir, name), os.path.join(aside, name))
-            rewinds.append(
-                {"to": step, "time": time.time(), "set_aside": os.path.basename(aside), "steps": later}
-            )
-            with open(record + ".tmp", "w") as file:
-                json.dump(rewinds, file, indent=1)
-            os.replace(record + ".tmp", record)
+            aside = set_aside(self.run_dir, later, "rewound", to=step)
             names = ", ".join(later)
             print(f"rewinding run {self.run_dir} to step {step}: its later checkpoints ({names}) are set "
                   f"aside in {aside}", flush=True)  # fmt: skip
@@ -371,6 +385,22 @@ class Checkpointer:
                 f"another --run_name"
             )
 
+    def refuse_another_corpus(self, path, saved, corpus):
+        """A checkpoint whose data position counts windows of other tokens than --data holds now (the corpus
+        grew or changed, and was prepared anew) is refused: the position would point into other text. The
+        tokens' digest decides, so a corpus only touched or copied, which tokenises the same, resumes."""
+        if not corpus or not isinstance(saved, dict) or saved.get("blake2b") == corpus["blake2b"]:
+            return
+        then = saved.get("tokens")
+        then = f"{then:,}" if isinstance(then, int) else "?"
+        now = f"{corpus['tokens']:,}" if corpus["tokens"] != saved.get("tokens") else "as many, but others"
+        self.refuse(
+            f"checkpoint {path} read --data={self.args.data} as {then} training tokens "
+            f"({saved.get('prepared')}), and it now holds {now} ({corpus['prepared']}): the corpus "
+            f"changed, and the checkpoint's data position counts windows of the old tokens; resume with the "
+            f"corpus as it was, or start another --run_name"
+        )
+
     def load_safely(self, load, *args, **kwargs):
         """A file that checkpoint_problem let through and that still holds more than plain data: its
         tensors are checked only as they load. Every rank reads the shared files, so every rank refuses."""
@@ -391,6 +421,7 @@ class Checkpointer:
         with open(os.path.join(path, "trainer_state.json")) as f:
             trainer_state = json.load(f)
         self.refuse_another_run(path, trainer_state)
+        self.refuse_another_corpus(path, trainer_state.get("corpus"), batches.corpus)
         self.schedule.resumed(trainer_state["step"])
         full_file = os.path.join(path, "state_dict.pt")
         full = os.path.exists(full_file)

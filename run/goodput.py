@@ -1,5 +1,5 @@
 """Goodput: where the hours of a run went, across every launch and requeue of it, in <run folder>/goodput.json
-(rank 0's, written atomically at every log window, checkpoint and end).
+(rank 0's, written atomically as each launch starts, at every log window, checkpoint and end).
 
 The parts add up to wall_s, from the first launch's start to the last update:
 - productive_s: steps whose results were kept;
@@ -13,6 +13,7 @@ The parts add up to wall_s, from the first launch's start to the last update:
 
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -46,6 +47,64 @@ def launch_start():
         return time.time()
 
 
+def benchmark_seconds(master):
+    """$BENCHMARK_SECONDS: how long the job's benchmarks ran before this launch (run/job.py sets it); 0 when
+    unset, and when it is not a finite number of seconds, with one warning (rank 0's)."""
+    text = os.environ.get("BENCHMARK_SECONDS")
+    if text is None:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not_seconds(value) or value > time.time():
+        if master:
+            print(f"warning: BENCHMARK_SECONDS={text[:40]!r} is not a number of seconds; the benchmarks' "
+                  f"time is left out of {LEDGER}", file=sys.stderr, flush=True)  # fmt: skip
+        return 0.0
+    return value
+
+
+def not_seconds(value):
+    """Why value is not a number of seconds (or a time since the epoch), or None."""
+    if type(value) not in (int, float):
+        return f"{json.dumps(value)[:40]}, not a number"
+    if not math.isfinite(value) or value < 0:
+        return f"{value}, not a finite number 0 or more"
+    return None
+
+
+COUNTS = ("lost_steps", "launches")
+# Launches on other nodes read other clocks: a part this much longer than the run so far is damage.
+CLOCK_SLACK_S = 3600
+
+
+def ledger_problem(totals, marks):
+    """Why the figures of a ledger read back cannot be carried on, or None: each a finite number of seconds no
+    longer than the run so far, each count a whole number, none negative, and the marks of the kinds write()
+    gives them."""
+    times = {f"marks.{key}": marks[key] for key in ("first_start", "updated")}
+    for name, value in {**totals, **times}.items():
+        if name in COUNTS and (type(value) is not int or value < 0):
+            return f"{name} is {json.dumps(value)[:40]}, not a whole number 0 or more"
+        if name not in COUNTS and (why := not_seconds(value)):
+            return f"{name} is {why}"
+    wall = marks["updated"] - marks["first_start"]
+    if longer := next((part for part in PARTS if totals[part] > wall + CLOCK_SLACK_S), None):
+        return f"{longer} is {totals[longer]:.4g} s, longer than the run's {max(wall, 0):.4g} s"
+    if type(marks["step"]) is not int or marks["step"] < 0:
+        return f"marks.step is {json.dumps(marks['step'])[:40]}, not a step number"
+    saves = marks["at_checkpoint"]
+    if not isinstance(saves, dict):
+        return f"marks.at_checkpoint is {json.dumps(saves)[:40]}, not a record of steps"
+    for step, productive_s in saves.items():
+        if not (step.isascii() and step.isdigit()):
+            return f"marks.at_checkpoint has {step[:40]!r}, not a step number"
+        if why := not_seconds(productive_s):
+            return f"marks.at_checkpoint.{step} is {why}"
+    return None
+
+
 class Ledger:
     """The account of the run's time, kept by every rank and written by rank 0 (master). A relaunch reads the
     ledger its earlier launches left; a damaged one is set aside with a warning and the account starts
@@ -53,7 +112,7 @@ class Ledger:
 
     def __init__(self, folder, started, benchmark_s=0.0, master=True):
         self.path, self.writable, self.master = os.path.join(folder, LEDGER), master, master
-        self.started, self.first_step_done, self.prediction = started, False, None
+        self.first_step_done, self.prediction = False, None
         self.totals = {part: 0.0 for part in PARTS} | {"lost_steps": 0, "launches": 0}
         began = started - benchmark_s  # the job's benchmarks came before this launch, in the run's time
         self.marks = {"first_start": began, "updated": began, "step": 0, "at_checkpoint": {}}
@@ -62,21 +121,39 @@ class Ledger:
         self.totals["launches"] += 1
         self.totals["benchmark_s"] += benchmark_s
         self.totals["waiting_s"] += max(0.0, started - benchmark_s - self.marks["updated"])
+        # Start-up is counted up to started_up_to. The process's start is known to the second (the boot time's
+        # precision), and a launch on another node reads another clock: never from before the last update.
+        self.started_up_to = max(started, self.marks["updated"])
 
     def read_earlier_launches(self):
         try:
             with open(self.path) as file:
                 saved = json.load(file)
             totals = {key: saved[key] for key in self.totals}
-            marks = saved["marks"]
-            if not all(isinstance(value, (int, float)) for value in totals.values()):
-                raise TypeError("a figure is not a number")
-            self.totals, self.marks = totals, {**self.marks, **marks, "first_start": marks["first_start"]}
+            marks = {**self.marks, **saved["marks"], "first_start": saved["marks"]["first_start"]}
+            if problem := ledger_problem(totals, marks):
+                raise ValueError(problem)
+            self.totals, self.marks = totals, marks
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            print(f"warning: {self.path} is unreadable ({error}); the run's time is counted from this launch",
-                  file=sys.stderr, flush=True)  # fmt: skip
+        except OSError as error:
+            self.set_aside(error.strerror)
+        except KeyError as error:
+            self.set_aside(f"no {error}")
+        except (ValueError, TypeError) as error:
+            self.set_aside(error)
+
+    def set_aside(self, why):
+        """A damaged ledger is renamed, so that this launch's writes keep it, and said in one warning."""
+        when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        aside = f"{os.path.splitext(self.path)[0]}.damaged_{when}.json"
+        try:
+            os.rename(self.path, aside)
+            kept = f"set aside as {aside}"
+        except OSError:
+            kept = "left as it is"
+        print(f"warning: {self.path} is damaged ({why}); {kept}, and the run's time is counted from this "
+              f"launch", file=sys.stderr, flush=True)  # fmt: skip
 
     def resumed_at(self, step, mean_step_s):
         """The launch's first step follows `step`: the steps done after it by earlier launches are lost."""
@@ -90,11 +167,19 @@ class Ledger:
         self.marks["step"] = step
         self.marks["at_checkpoint"] = {k: v for k, v in self.marks["at_checkpoint"].items() if int(k) <= step}
 
+    def launch_started(self):
+        """Writes the ledger as the launch starts, with its start-up so far: a launch that dies before its
+        first log window still counts."""
+        now = time.time()
+        self.totals["startup_s"] += now - self.started_up_to
+        self.started_up_to = now
+        self.write(now)
+
     def step_done(self, step, seconds):
         """A step of seconds done: the launch's first also ends its start-up, and says where it resumed."""
         if not self.first_step_done:
             self.first_step_done = True
-            self.totals["startup_s"] += time.time() - seconds - self.started
+            self.totals["startup_s"] += time.time() - seconds - self.started_up_to
             self.resumed_at(step - 1, seconds)
         self.totals["productive_s"] += seconds
         self.marks["step"] = step

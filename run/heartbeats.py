@@ -1,6 +1,7 @@
 """Every rank's heartbeat: <log_dir>/<run_name>/heartbeats/rank<R>.json, rewritten by each rank's watchdog
 thread (run/watchdog.py), whose reading names the node a hang waits for."""
 
+import contextlib
 import json
 import os
 import sys
@@ -28,20 +29,29 @@ class Heartbeats:
     def __init__(self, folder, rank, world_size, token, thread_id):
         self.folder, self.rank, self.world_size = os.path.join(folder, "heartbeats"), rank, world_size
         self.token, self.thread_id, self.node, self.last = token, thread_id, node_name(), 0.0
+        self.unwritten = False  # whether a write failed, which is said once
         os.makedirs(self.folder, exist_ok=True)
 
     def beat(self, steps):
-        """Called often; writes at most every HEARTBEAT_S. A full or failing disk must not end the run."""
+        """Called often; writes at most every HEARTBEAT_S. A full or failing disk must not end the run: a beat
+        that cannot be written is said once, and the rank's older beat removed, so that no reader takes it for
+        the rank's state (a rank that never stepped, or whose beat stopped)."""
         now = time.time()
         if now - self.last < HEARTBEAT_S:
             return
         self.last = now
         beat = {"token": self.token, "node": self.node, "rank": self.rank, "steps": steps, "time": now}
         beat["waiting"] = waiting_in_collective(self.thread_id)
+        path = os.path.join(self.folder, f"rank{self.rank}.json")
         try:
-            write_atomically(os.path.join(self.folder, f"rank{self.rank}.json"), json.dumps(beat))
-        except OSError:
-            pass
+            write_atomically(path, json.dumps(beat))
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            if not self.unwritten:
+                print(f"warning: cannot write heartbeat {path} ({error.strerror}); it is removed rather than "
+                      f"left stale, and training goes on", file=sys.stderr, flush=True)  # fmt: skip
+            self.unwritten = True
 
     def read(self):
         beats = {}

@@ -33,7 +33,7 @@ NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last", "exclu
 
 MAX_RUN_NAME = 200
 
-# A run folder's record of its rewinds (run/checkpoints.py): a --resume_from it names may be gone, pruned
+# A run folder's record of what it set aside (run/set_aside.py): a --resume_from it names may be gone, pruned
 REWINDS = "rewinds.json"
 
 

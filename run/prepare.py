@@ -258,6 +258,18 @@ def read_sidecar(path):
         return None
 
 
+def token_file_identity(path):
+    """What a data position counts windows of: the prepared folder, token count and digest of a token file
+    that prepare_token_files has just verified (from its sidecar)."""
+    with open(path + ".json") as file:
+        meta = json.load(file)
+    return {
+        "prepared": os.path.basename(os.path.dirname(path)),
+        "tokens": meta["tokens"],
+        "blake2b": meta["blake2b"],
+    }
+
+
 def prepare_token_files(args, kind, name, config, tokenizer):
     """Paths of the train and validation token files of wikitext or a local corpus, tokenised on every
     core of the node unless complete. Each is written under a temporary name and renamed, its sidecar

@@ -9,7 +9,7 @@ import threading
 
 import yaml
 
-from common.files import write_atomically
+from common.files import append_whole, write_atomically
 
 
 class RunLog:
@@ -19,7 +19,7 @@ class RunLog:
 
     def __init__(self, args, folder):
         self.folder = folder
-        self.metrics = open(os.path.join(folder, "metrics.jsonl"), "a")
+        self.metrics = open(os.path.join(folder, "metrics.jsonl"), "ab", buffering=0)
         self.writer = self.wandb = None
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -33,8 +33,7 @@ class RunLog:
     def write(self, record):
         if self.metrics is not None:
             try:
-                self.metrics.write(json.dumps(record) + "\n")
-                self.metrics.flush()
+                append_whole(self.metrics, json.dumps(record) + "\n")
             except OSError as error:  # a full log disk must not end a run whose checkpoints are elsewhere
                 self.stop_writing(error)
         scalars = {f"val/{key[4:]}" if key.startswith("val_") else f"train/{key}": value

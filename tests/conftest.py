@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import shutil
@@ -210,3 +211,34 @@ def run_training(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
 @pytest.fixture
 def train():
     return run_training
+
+
+@pytest.fixture(scope="module")
+def small_disks(tmp_path_factory):
+    """tmpfs folders of a given size in MiB, unmounted after the module; skipped where mounting is not
+    permitted."""
+    mounted = []
+
+    def mount(size_mib):
+        folder = tmp_path_factory.mktemp("disk")
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(folder)],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode:
+            pytest.skip(f"cannot mount a tmpfs ({result.stderr.strip() or 'not permitted'}): needs root")
+        mounted.append(folder)
+        return folder
+
+    yield mount
+    for folder in mounted:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def fill_disk(folder):
+    """Writes a filler file into folder until its disk is full."""
+    with contextlib.suppress(OSError), open(folder / "filler", "wb") as file:
+        while True:
+            file.write(bytes(65536))
+            file.flush()

@@ -1,4 +1,3 @@
-import contextlib
 import functools
 import json
 import math
@@ -16,6 +15,7 @@ from conftest import (
     REPO,
     TINY,
     assert_same_model,
+    fill_disk,
     launch,
     read_metrics,
     run_until,
@@ -133,9 +133,10 @@ def test_full_format_and_export_load_without_this_repo(tmp_path):
     assert_rank_0_failed_first_with_status_2(changed)
     assert changed.stderr.count("has another model shape (n_embd 256 -> 128)") == 1, changed.stderr  # rank 0
     step_8 = tmp_path / "full" / "step_8"
+    [aside] = (tmp_path / "full").glob("unusable_*/step_8")
     assert (
         f"warning: checkpoint {step_8} is unusable: {step_8}/state_dict.pt does not match its checksum "
-        f"(corrupt); falling back to {tmp_path}/full/step_6"
+        f"(corrupt); set aside as {aside}; falling back to {tmp_path}/full/step_6"
     ) in changed.stdout
 
 
@@ -307,11 +308,13 @@ def test_corrupt_shard_is_named_and_the_run_resumes_from_the_previous_checkpoint
     tmp, result = resumes["damaged"]
     run_dir, shard = tmp / "exact", tmp / "exact" / "step_24" / "__1_0.distcp"
     assert result.returncode == 0, result.stderr[-3000:]
+    [aside] = run_dir.glob("unusable_*")  # each damaged one, kept there before training went on
     assert warnings_of(result.stdout)[f"{run_dir}/step_24"] == (
         f"warning: checkpoint {run_dir}/step_24 is unusable: {shard} does not match its checksum "
-        f"(corrupt); falling back to {run_dir}/step_20"
+        f"(corrupt); set aside as {aside}/step_24; falling back to {run_dir}/step_20"
     )
     assert f"resumed from {run_dir}/step_20 at step 20" in result.stdout
+    assert sorted(path.name for path in aside.iterdir()) == [f"step_{step}" for step, _, _ in DAMAGES[::-1]]
     losses = {r["step"]: r["loss"] for r in read_metrics(tmp)}
     assert sorted(losses) == list(range(21, 31))
     assert [losses[s] for s in range(21, 31)] == [uninterrupted[1][s] for s in range(21, 31)]
@@ -340,6 +343,8 @@ def test_no_usable_checkpoint_left_stops_naming_them(resumes):
     steps = ", ".join(f"{run_dir}/step_{step}" for step in (30, 20, 10))
     assert f"error: no usable checkpoint to resume from ({steps})" in result.stderr
     assert not (tmp / "metrics.jsonl").exists()  # stopped before training
+    kept = sorted(path.name for path in run_dir.iterdir() if path.name.startswith(("step_", "unusable_")))
+    assert kept == ["step_10", "step_20", "step_30"]  # none set aside: the run did not go on
 
 
 def test_a_run_past_its_last_step_is_refused_rather_than_exported_as_done(resumes):
@@ -453,29 +458,6 @@ def test_lock_on_another_host_is_refused_until_requeued_or_its_heartbeat_stops(t
     assert "taking over the lock" in silent.stdout
 
 
-@pytest.fixture(scope="module")
-def small_disks(tmp_path_factory):
-    """tmpfs folders of a given size in MiB, unmounted after the module; skipped where mounting is not
-    permitted."""
-    mounted = []
-
-    def mount(size_mib):
-        folder = tmp_path_factory.mktemp("disk")
-        result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(folder)],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode:
-            pytest.skip(f"cannot mount a tmpfs ({result.stderr.strip() or 'not permitted'}): needs root")
-        mounted.append(folder)
-        return folder
-
-    yield mount
-    for folder in mounted:
-        subprocess.run(["umount", str(folder)], check=True)
-
-
 # A tiny checkpoint takes 22 MB and its export 7 MB: 30 MiB fit one checkpoint, not two.
 SAVES = [
     (["--ckpt_format=sharded"], 2),
@@ -547,10 +529,7 @@ def test_an_empty_lock_is_taken_over(tmp_path, capsys):
 
 def test_a_full_disk_is_one_line_before_training_and_leaves_no_lock_file(small_disks):
     disk = small_disks(1)
-    with contextlib.suppress(OSError), open(disk / "filler", "wb") as file:
-        while True:
-            file.write(bytes(65536))
-            file.flush()
+    fill_disk(disk)
     with pytest.raises(ConfigError, match=r"is not writable \(No space left on device\)"):
         options.writable_folder("--checkpoint_dir", str(disk))
     with pytest.raises(

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 from types import SimpleNamespace
 
@@ -125,6 +126,11 @@ def test_two_processes_train_on_a_local_folder_and_validation_loss_falls(text_ru
     evaluated = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evaluated] == [10, 20, 30, 40]
     assert "val loss" in result.stdout
+    passes = (
+        r"^data: 40 steps of 16 sequences make 0\.\d\d epochs of --data=\S+ \([\d,]+ windows of 32 tokens\), "
+    )
+    assert re.search(passes + r"as --max_steps=40 sets$", result.stdout, re.M), result.stdout[:3000]
+    assert "warning:" not in result.stderr
     val_losses = [r["val_loss"] for r in evaluated]
     assert val_losses[-1] < val_losses[0] - 0.2, val_losses
     assert val_losses[-1] < 0.5 * records[0]["loss"], (records[0]["loss"], val_losses)
@@ -207,6 +213,61 @@ def test_resuming_text_with_another_seq_length_is_refused(tmp_path, tokenizer_di
         f"error: checkpoint {tmp_path}/windows/step_2 read --data={corpus} in windows of --seq_length=32, "
         "and its data position counts those windows; resume with --seq_length=32, or start another --run_name"
     )
+
+
+@pytest.fixture(scope="module")
+def small_corpus_run(tmp_path_factory, tokenizer_dir):
+    """A corpus of a few global batches, and a 3-step one-process run on it that saves a checkpoint at its
+    end: (folder, corpus, the run's arguments without --max_steps, result)."""
+    folder = tmp_path_factory.mktemp("small")
+    corpus = folder / "corpus"
+    write_lines(corpus / "train.txt", 70, seed=1)
+    write_lines(corpus / "validation.txt", 20, seed=2)
+    args = [*DATA, f"--data={corpus}", "--eval_every=0", "--run_name=small", f"--checkpoint_dir={folder}"]
+    return folder, corpus, args, run(folder, tokenizer_dir, *args, "--max_steps=3", nproc=0, expect_ok=False)
+
+
+def test_max_steps_that_repeat_the_corpus_beyond_num_epochs_warn_in_one_line(small_corpus_run):
+    folder, corpus, _, result = small_corpus_run
+    assert_ran(result)
+    [sidecar] = (folder / "cache").glob("corpus-*/train.bin.json")
+    windows = (json.loads(sidecar.read_text())["tokens"] - 1) // 32
+    assert 16 <= windows < 32  # 3 steps of 16 sequences read more than one pass: num_epochs=1 asks for one
+    assert result.stderr.count("warning:") == 1, result.stderr
+    assert (
+        f"warning: --max_steps=3 makes {3 * 16 / windows:,.2f} epochs of --data={corpus} ({windows} windows "
+        f"of 32 tokens), more than --num_epochs=1 asks for: the corpus repeats; lower --max_steps, give more "
+        f"data, or set --num_epochs={math.ceil(3 / (windows // 16))} to mean it"
+    ) in result.stderr.splitlines()
+    assert not re.search(r"^data: .* epochs of", result.stdout, re.M)  # the warning says it instead
+
+
+def test_resuming_after_the_corpus_changed_is_refused_and_after_a_touch_is_not(
+    small_corpus_run, tokenizer_dir
+):
+    """The token files were prepared anew (the corpus's size or time changed) and the run resumed silently,
+    its data position counting windows of the old ones."""
+    folder, corpus, args, _ = small_corpus_run
+    os.utime(corpus / "train.txt")  # a new time, the same text: prepared anew into the same tokens
+    touched = run(folder, tokenizer_dir, *args, "--max_steps=4", nproc=0)
+    assert "data: tokenizing" in touched.stdout
+    assert f"resumed from {folder}/small/step_3 at step 3" in touched.stdout
+    saved = json.loads((folder / "small" / "step_4" / "trainer_state.json").read_text())["corpus"]
+    with open(corpus / "train.txt", "a") as file:  # it grew
+        file.write("the old king hears a dog .\n" * 20)
+    grown = run(folder, tokenizer_dir, *args, "--max_steps=5", nproc=0, expect_ok=False)
+    assert grown.returncode == 2
+    [sidecar] = [path for path in (folder / "cache").glob("corpus-*/train.bin.json")
+                 if json.loads(path.read_text())["tokens"] != saved["tokens"]]  # fmt: skip
+    now = json.loads(sidecar.read_text())["tokens"]
+    assert grown.stderr.strip().splitlines()[-1] == (
+        f"error: checkpoint {folder}/small/step_4 read --data={corpus} as {saved['tokens']:,} training "
+        f"tokens ({saved['prepared']}), and it now holds {now:,} ({sidecar.parent.name}): the corpus "
+        "changed, and the checkpoint's data position counts windows of the old tokens; resume with the "
+        "corpus as it was, or start another --run_name"
+    )
+    assert "Traceback" not in grown.stderr
+    assert not (folder / "small" / "step_5").exists()
 
 
 def test_one_process_with_accumulation_matches_two_processes_on_text(text_runs):

@@ -4,10 +4,12 @@ killed, stopped and relaunched; and the checkpoint interval of --checkpoint_ever
 import json
 import re
 import signal
+import time
 
 import pytest
-from conftest import TINY, run_training, run_until
+from conftest import TINY, fill_disk, run_training, run_until
 
+from common.files import create_atomically
 from run import goodput
 
 RUN = [*TINY, "--seq_length=32", "--max_steps=16", "--checkpoint_every=5", "--run_name=g"]
@@ -74,3 +76,118 @@ def test_auto_interval_is_chosen_by_rank_0_and_followed_by_every_rank(tmp_path):
     gaps = [later - earlier for earlier, later in zip(periodic, periodic[1:])]
     assert all(min(chosen) <= gap <= max(chosen) for gap in gaps), (saved, lines)
     assert_adds_up(ledger(tmp_path))
+
+
+def test_a_ledger_that_cannot_be_replaced_warns_once_and_leaves_no_temporary_file(
+    tmp_path, small_disks, capsys
+):
+    """Where the ledger's path is a folder, or its disk is full, the run goes on without it: one warning, and
+    no goodput.json.<pid>.tmp left beside it (the rename or the write failed, and the temporary file
+    stayed)."""
+    blocked, full = tmp_path, small_disks(1)
+    ledgers = {folder: goodput.Ledger(str(folder), time.time()) for folder in (blocked, full)}
+    (blocked / goodput.LEDGER).mkdir()  # once read: a folder read back as the ledger is set aside
+    fill_disk(full)
+    for folder, why in (blocked, "Is a directory"), (full, "No space left on device"):
+        for _ in range(2):
+            ledgers[folder].write()
+        assert capsys.readouterr().err.splitlines() == [
+            f"warning: cannot write {folder / goodput.LEDGER} ({why}); training goes on without it"
+        ]
+        assert not list(folder.glob("*.tmp")), list(folder.iterdir())
+    with pytest.raises(OSError):  # the benchmark's reports are created the same way
+        create_atomically(full / "report.yaml", "verdict: pass\n" * 1000)
+    assert sorted(path.name for path in full.iterdir()) == ["filler"]
+
+
+def earlier_ledger(folder, change):
+    """An earlier launch's ledger at step 4 with a checkpoint at step 2, changed by change(figures)."""
+    ledger = goodput.Ledger(str(folder), time.time() - 100)
+    for step in range(1, 5):
+        ledger.step_done(step, 1.0)
+        if step == 2:
+            with ledger.checkpoint(step):
+                pass
+    ledger.write()
+    figures = json.loads((folder / goodput.LEDGER).read_text())
+    change(figures)
+    (folder / goodput.LEDGER).write_text(json.dumps(figures))  # NaN as json.dumps writes it
+    return (folder / goodput.LEDGER).read_text()
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda f: f.update(productive_s=float("nan")), "productive_s is nan, not a finite number 0 or more"),
+        (lambda f: f.update(lost_s=-5.0), "lost_s is -5.0, not a finite number 0 or more"),
+        (lambda f: f.update(eval_s=1e300), "eval_s is 1e+300 s, longer than the run's 100 s"),
+        (lambda f: f.update(launches=1.5), "launches is 1.5, not a whole number 0 or more"),
+        (lambda f: f["marks"].update(at_checkpoint=5), "marks.at_checkpoint is 5, not a record of steps"),
+        (lambda f: f["marks"].update(step="4"), 'marks.step is "4", not a step number'),
+        (
+            lambda f: f["marks"]["at_checkpoint"].update(two=3.0),
+            "marks.at_checkpoint has 'two', not a step number",
+        ),
+        (
+            lambda f: f["marks"].update(updated=float("inf")),
+            "marks.updated is inf, not a finite number 0 or more",
+        ),
+        (lambda f: f.pop("marks"), "no 'marks'"),
+    ],
+)
+def test_a_damaged_ledger_is_set_aside_with_one_warning_and_the_account_starts_again(
+    tmp_path, capsys, change, why
+):
+    """A figure that is not a finite number of seconds (NaN, negative, longer than the run) was carried on
+    into every later figure; a mark of the wrong kind crashed every relaunch at its first step."""
+    damaged = earlier_ledger(tmp_path, change)
+    capsys.readouterr()
+    ledger = goodput.Ledger(str(tmp_path), time.time() - 10)
+    ledger.step_done(3, 1.0)  # the relaunch resumes from the checkpoint at step 2
+    ledger.write()
+    [aside] = tmp_path.glob("goodput.damaged_*.json")
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {tmp_path / goodput.LEDGER} is damaged ({why}); set aside as {aside}, and the run's time "
+        "is counted from this launch"
+    ]
+    assert aside.read_text() == damaged  # kept as it was, for whoever looks into it
+    figures = json.loads((tmp_path / goodput.LEDGER).read_text())
+    assert figures["launches"] == 1 and figures["lost_steps"] == 0
+    assert_adds_up(figures)
+
+
+@pytest.mark.parametrize("value", ["nan", "-3", "1e400", "seven", ""])
+def test_a_benchmark_time_that_is_not_a_number_of_seconds_is_left_out_with_one_warning(
+    monkeypatch, capsys, value
+):
+    monkeypatch.setenv("BENCHMARK_SECONDS", value)
+    assert goodput.benchmark_seconds(master=True) == 0.0
+    assert goodput.benchmark_seconds(master=False) == 0.0  # the other ranks say nothing
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: BENCHMARK_SECONDS={value!r} is not a number of seconds; the benchmarks' time is left out "
+        "of goodput.json"
+    ]
+    monkeypatch.setenv("BENCHMARK_SECONDS", "7.0")  # as the job writes it
+    assert goodput.benchmark_seconds(master=True) == 7.0
+    assert capsys.readouterr().err == ""
+
+
+def test_an_intact_ledger_is_carried_on(tmp_path, capsys):
+    earlier_ledger(tmp_path, lambda figures: None)
+    ledger = goodput.Ledger(str(tmp_path), time.time() - 10)
+    ledger.step_done(3, 1.0)  # the step after the checkpoint at step 2: step 3 and 4 are lost
+    ledger.write()
+    figures = json.loads((tmp_path / goodput.LEDGER).read_text())
+    assert figures["launches"] == 2 and figures["lost_steps"] == 2 and capsys.readouterr().err == ""
+
+
+def test_a_launch_that_dies_before_its_first_log_window_still_counts(tmp_path):
+    """The second launch stops before its first step (it is refused when it loads the checkpoint: another
+    model family under the same run name); the ledger was written as it started, so it counts."""
+    run_training(tmp_path, *RUN, "--max_steps=2", nproc=0)
+    refused = run_training(tmp_path, *RUN, "--max_steps=4", "--model=tiny-llama", nproc=0, expect_ok=False)
+    assert refused.returncode == 2 and "holds a GPT2Config model" in refused.stderr, refused.stderr[-3000:]
+    assert "step      3/" not in refused.stdout
+    after = ledger(tmp_path)
+    assert after["launches"] == 2 and after["marks"]["step"] == 2
+    assert_adds_up(after)

@@ -16,6 +16,7 @@ from conftest import (
     REPO,
     TINY,
     assert_same_model,
+    fill_disk,
     launch,
     read_metrics,
     run_until,
@@ -373,6 +374,55 @@ def test_a_full_log_disk_ends_the_records_with_one_warning_not_the_run(tmp_path,
     err = capsys.readouterr().err
     assert err.count("warning:") == 1, err
     assert f"warning: cannot write {tmp_path}/metrics.jsonl (No space left on device)" in err
+
+
+def test_on_a_log_disk_that_fills_a_record_is_written_whole_or_not_at_all(small_disks, capsys):
+    """A record that crossed the end of the disk's last free page was cut there, and the next launch's
+    records were appended to the cut line."""
+    from run.run_log import RunLog
+
+    disk = small_disks(1)
+    run_log = RunLog(types.SimpleNamespace(tensorboard=False, wandb=None), str(disk))
+    record = {"step": 1, "loss": 5.0, "note": "x" * 300}
+    run_log.write(record)  # the file's first page, then no room beyond it
+    fill_disk(disk)
+    for step in range(2, 40):
+        run_log.write({**record, "step": step})
+    run_log.close()
+    lines = (disk / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines if line.endswith("\n")] == list(
+        range(1, len(lines) + 1)
+    )
+    assert len(lines) > 2  # the records filled the page before one met its end
+    [warning] = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"warning: cannot write {disk}/metrics.jsonl (No space left on device)")
+
+
+def test_a_heartbeat_that_cannot_be_written_is_said_once_and_not_left_stale(small_disks, capsys, monkeypatch):
+    """On a full disk the heartbeat stayed at its last step, which a hang's report read as a rank that
+    stopped there; its write failed without a word."""
+    import threading
+
+    from run import heartbeats
+
+    monkeypatch.setattr(heartbeats, "HEARTBEAT_S", 0.0)  # a beat at every call, not every 5 s
+    disk = small_disks(1)
+    beats = heartbeats.Heartbeats(str(disk), 0, 1, "launch", threading.get_ident())
+    beats.beat(0)
+    assert beats.read()[0]["steps"] == 0
+    fill_disk(disk)
+    beats.beat(1)
+    assert beats.read() == {}  # no stale beat at step 0
+    for step in range(2, 6):  # the old beat's page, freed, may take one more
+        beats.beat(step)
+    path = disk / "heartbeats" / "rank0.json"
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: cannot write heartbeat {path} (No space left on device); it is removed rather than left "
+        "stale, and training goes on"
+    ]
+    latest = beats.read()
+    assert latest == {} or latest[0]["steps"] == 5  # the last beat, or none: never an older one
+    assert not list(disk.rglob("*.tmp"))
 
 
 def test_a_log_disk_that_fills_during_a_run_warns_once_per_writer_and_training_goes_on(tmp_path):

@@ -120,13 +120,44 @@ def test_a_tampered_checkpoint_is_set_aside_for_the_previous_one_and_runs_nothin
     trusted, tmp_path, tamper, refused
 ):
     folder, step, marker = attacked_copy(trusted, tmp_path, tamper)
+    tampered = {path.name: path.read_bytes() for path in step.iterdir()}
     result = resume(folder)()
     assert not marker.exists()
     assert result.returncode == 0, result.stderr[-3000:]
     [warning] = refusals(result.stdout)
     assert warning.startswith(f"warning: checkpoint {step} is unusable: {folder}/r/{refused}"), warning
-    assert warning.endswith(f"falling back to {folder}/r/step_2")
+    [aside] = (folder / "r").glob("unusable_*/step_4")
+    assert warning.endswith(f"; set aside as {aside}; falling back to {folder}/r/step_2")
     assert f"resumed from {folder}/r/step_2 at step 2" in result.stdout
+    # The run saved its own step_4 since; the tampered one is kept as it was, for whoever looks into it (the
+    # save replaced it).
+    assert f"checkpoint saved: {step}" in result.stdout
+    assert {path.name: path.read_bytes() for path in aside.iterdir()} == tampered
+
+
+def test_a_relaunch_naming_a_checkpoint_set_aside_as_unusable_continues_the_run(trusted, tmp_path):
+    """--resume_from names the tampered step_4: the launch sets it aside and goes on from step_2 to step 3.
+    The same command again (a requeued job) continues from the run's newest checkpoint; refused at once, it
+    would stop every requeue, as the folder it names has gone."""
+    folder, step, marker = attacked_copy(trusted, tmp_path, tamper_metadata)
+    args = [
+        f"--log_dir={folder}",
+        f"--checkpoint_dir={folder}",
+        *RUN,
+        "--max_steps=3",
+        f"--resume_from={step}",
+    ]
+    first = launch("train.py", args, nproc=0)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"resumed from {folder}/r/step_2 at step 2" in first.stdout and not step.exists()
+    again = launch("train.py", args, nproc=0)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (
+        f"{step}: an earlier launch found it unusable and set it aside; continuing from this run's newest "
+        "checkpoint"
+    ) in again.stdout
+    assert f"resumed from {folder}/r/step_3 at step 3" in again.stdout
+    assert not marker.exists()
 
 
 def test_a_tampered_value_in_a_shard_is_refused_in_one_line_and_runs_nothing(trusted, tmp_path):
@@ -285,11 +316,16 @@ def test_a_checkpoint_that_reads_beyond_its_files_or_holds_another_model_is_set_
     result = launch("train.py", args, nproc=0, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: checkpoint")]
+    [aside] = (folder / "r").glob("unusable_*")  # where each was set aside, before the run went on
     expected = []
     for step, previous, (_, _, problem) in zip(steps, [folder / "r" / "step_4", *steps], cases):
         named = problem if problem.startswith(MANIFEST) else f"{step}/{problem}"
-        expected.append(f"warning: checkpoint {step} is unusable: {named}; falling back to {previous}")
+        kept = f"set aside as {aside / step.name}"
+        expected.append(
+            f"warning: checkpoint {step} is unusable: {named}; {kept}; falling back to {previous}"
+        )
     assert warnings == expected[::-1]
+    assert sorted(path.name for path in aside.iterdir()) == sorted(step.name for step in steps)
     assert f"resumed from {folder}/r/step_4 at step 4" in result.stdout
 
 
