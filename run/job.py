@@ -217,7 +217,8 @@ class Job(Recovery):
             )
         kept = min(wanted, len(self.nodes) - 1)
         if wanted:
-            named = f"{' '.join(self.nodes[len(self.nodes) - kept :])} kept as spares" if kept else "no spare"
+            spares = " ".join(self.nodes[len(self.nodes) - kept :])
+            named = f"{spares} kept as spare{'s' * (kept > 1)}" if kept else "no spare"
             log(f"training on {len(self.nodes) - kept} nodes, {named} (SPARE_NODES={wanted})")
         return kept
 
@@ -341,8 +342,13 @@ class Job(Recovery):
             log(f"training exited with status {watch.status}")
             if watch.status == 0:
                 return 0
-            if self.stop:
-                return self.requeue(watch.status)
+            if self.stop:  # the time limit: a node to blame as well is left out of the requeued start
+                blamed = self.may_leave_out() and (watch.failure or watch.blamed())
+                return (
+                    watch.status
+                    if blamed and self.blame(watch.status) is None
+                    else self.requeue(watch.status)
+                )
             status = self.recover(watch)
             if status is not None:
                 return status

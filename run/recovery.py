@@ -174,6 +174,11 @@ class Recovery:
             return None
         self.nodes = [node for node in self.nodes if node not in gone]
         self.training = [node for node in self.training if node not in gone]
+        if gone:  # the next start too, even one that a requeue for the time limit gives them again
+            every = list(suspects.read_excluded(self.run_folder)[0])
+            refused = self.scheduler.set_comment(slurm.with_left_out(self.scheduler.comment(), every))
+            if refused:
+                print(f"warning: cannot keep left_out={','.join(every)} in the job's comment ({refused})")
         return gone
 
     def take_spares(self):
@@ -198,7 +203,7 @@ class Recovery:
             f"leaving out {named} ({self.why_file()}); requeueing job {job_id} (restart {restarts + 1} of at "
             f"most {cap}) to resume on the other nodes"
         )
-        excluded = self.scheduler.excluded()  # as SLURM writes it: n[2-3] names n2 and n3
+        excluded = self.scheduler.excluded()
         refused = self.scheduler.set_comment(slurm.with_left_out(self.scheduler.comment(), nodes))
         refused = refused or self.scheduler.requeue()
         if refused:
@@ -207,17 +212,21 @@ class Recovery:
                 file=sys.stderr,
             )
             return status
-        # A running job's node list cannot change. Once requeued it can, until it starts again; SLURM may
-        # refuse while the job completes, and then the comment above keeps the next start off these nodes.
+        self.exclude_once_requeued(excluded, nodes)
+        return 0
+
+    def exclude_once_requeued(self, excluded, nodes):
+        """ExcNodeList: excluded, as SLURM wrote it before the requeue (n[2-3] names n2 and n3), and nodes.
+        A running job's node list cannot change. Once requeued it can, until it starts again; SLURM may
+        refuse while the job completes, and then the job's comment keeps the next start off these nodes."""
         for _ in range(10):
             if self.scheduler.exclude(",".join(dict.fromkeys(filter(None, [excluded, *nodes])))) is None:
-                return 0
+                return
             time.sleep(self.retry_s)
         log(
-            f"SLURM refused ExcNodeList={named} for now: the next start may be given them, and runs on its "
-            "other nodes"
+            f"SLURM refused ExcNodeList={','.join(nodes)} for now: the next start may be given them, and "
+            "runs on its other nodes"
         )
-        return 0
 
     def requeue(self, status):
         """Requeues the job to resume from its checkpoint; status is the exit status if none is left."""
@@ -230,8 +239,12 @@ class Recovery:
                 f"requeueing job {self.scheduler.job_id} (restart {restarts + 1} of at most {cap}), "
                 "to resume from the checkpoint"
             )
+        excluded = self.scheduler.excluded() if self.scheduler.in_job else ""
         refused = self.scheduler.requeue()
         if refused:
             print(f"stopped and not requeued: {refused}", file=sys.stderr)
             return status
+        gone = list(suspects.read_excluded(self.run_folder)[0]) if self.run_folder else []
+        if gone:  # left out inside the allocation: the next start is not given them either
+            self.exclude_once_requeued(excluded, gone)
         return 0

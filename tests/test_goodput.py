@@ -95,3 +95,13 @@ def test_auto_interval_is_chosen_by_rank_0_and_followed_by_every_rank(tmp_path):
     gaps = [later - earlier for earlier, later in zip(periodic, periodic[1:])]
     assert all(min(chosen) <= gap <= max(chosen) for gap in gaps), (saved, lines)
     assert_adds_up(ledger(tmp_path))
+
+
+def test_a_damaged_recovery_file_goes_unrecorded_with_a_warning(tmp_path, capsys):
+    """The job's part of a recovery, torn: the launch's ledger says so once and counts its time as ever."""
+    (tmp_path / goodput.RECOVERY).write_text('{"cause": "crash", "failed_at": ')
+    ledger = goodput.Ledger(str(tmp_path), goodput.launch_start())
+    ledger.step_done(1, 0.1)
+    ledger.write()
+    assert json.loads((tmp_path / goodput.LEDGER).read_text())["recoveries"] == []
+    assert f"warning: {tmp_path / goodput.RECOVERY} is unreadable (" in capsys.readouterr().err

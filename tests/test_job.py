@@ -554,7 +554,7 @@ def test_a_crash_on_a_node_the_benchmark_then_fails_brings_the_spare_in(tmp_path
                                    (0, "benchmark.py", "n1 n2"), (0, "train.py", "n1 n3")]  # fmt: skip
     assert scheduler.requeues == 0 and list(suspects.read_excluded(tmp_path)[0]) == ["n2"]
     out = capsys.readouterr().out
-    assert "training on 2 nodes, n3 kept as spares (SPARE_NODES=1)" in out
+    assert "training on 2 nodes, n3 kept as spare (SPARE_NODES=1)" in out
     assert "a rank crashed (training exited with status 1, no node named): benchmarking its nodes" in out
     assert "training on n1 n3, with the spare n3 (0 spares left)" in out
     assert recovery(tmp_path)["action"] == "spare n3 for n2"
@@ -665,6 +665,27 @@ def test_a_failure_train_py_says_or_that_comes_before_training_is_not_restarted(
     assert run_job(scheduler, SKIP_BENCHMARK=1) == [1]
     assert len(scheduler.launches) == 1
     assert "the launch failed before its first step: not restarting it" in capsys.readouterr().err
+
+
+def test_a_node_left_out_inside_the_allocation_stays_out_after_a_requeue_for_the_time_limit(
+    tmp_path, job_signals
+):
+    """n2 falls silent and the spare n3 takes its place; then the time limit comes: the requeued start is
+    not given n2 (ExcNodeList, and the job's comment, set when it was left out)."""
+
+    def phases(script, nodes, process):
+        if scheduler.restarts:
+            return 0
+        if nodes == ["n1", "n3"] and process.polls == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        if os.path.exists(process.env["JOB_STOP_FILE"]):
+            return 75
+        return trains(tmp_path, process, nodes, None, silent=["n2"] if "n2" in nodes else [])
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    assert run_job(scheduler, SKIP_BENCHMARK=1, SPARE_NODES=1) == [0, 0]
+    assert launched(scheduler) == [(0, "train.py", "n1 n2"), (0, "train.py", "n1 n3"), (1, "train.py", "n1")]
+    assert scheduler.excluded_nodes == "n2" and slurm.left_out(scheduler.comment_text) == ["n2"]
 
 
 def test_spares_that_leave_no_node_to_train_on_are_refused_in_one_line(tmp_path):

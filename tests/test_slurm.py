@@ -492,7 +492,7 @@ def test_recovery_with_a_spare_restarts_in_place_then_swaps_the_spare_in(recover
     job_id, fields, output, hurt = recoveries["spare"].result()
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", output
     assert len(hurt.failures) == 2 and len(hurt.stopped) >= 2, output  # n5's torchrun and its worker
-    assert "training on 2 nodes, n6 kept as spares (SPARE_NODES=1)" in output, output
+    assert "training on 2 nodes, n6 kept as spare (SPARE_NODES=1)" in output, output
     assert "a rank crashed (training exited with status 1, no node named): benchmarking its nodes" in output
     assert (
         "restarting in place on n4 n5 (the benchmark passed them): restart 1 of at most MAX_RESTARTS=3"
