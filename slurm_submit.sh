@@ -16,6 +16,7 @@
 #SBATCH --error=logs/%x_%j.err
 #SBATCH --signal=B:USR1@300           # SIGUSR1 to this script ~5 min before the time limit: checkpoint, requeue
 #SBATCH --requeue
+#SBATCH --no-kill                     # a node that fails does not end the job: the job leaves it out (SPARE_NODES)
 #SBATCH --open-mode=append            # a requeued run appends to the same log files
 set -euo pipefail
 
@@ -38,9 +39,10 @@ export BENCHMARK_ARGS=${BENCHMARK_ARGS:-}   # extra benchmark.py arguments, e.g.
 export NPROC_PER_NODE=${NPROC_PER_NODE:-2}  # processes per node on nodes without GPUs
 export REQUIRE_GPUS=${REQUIRE_GPUS:-0}      # 1: fail instead of running on CPU when there is no GPU
 export MAX_REQUEUES=${MAX_REQUEUES:-5}      # how many times the job may requeue itself (time limit, bad node)
-export MAX_EXCLUDED_NODES=${MAX_EXCLUDED_NODES:-2} # nodes the job may leave out as bad, requeueing without each; 0: none
+export MAX_EXCLUDED_NODES=${MAX_EXCLUDED_NODES:-2} # nodes the job may leave out as bad (a spare or a requeue for each); 0: none
 export REHEARSE_BAD_NODES=${REHEARSE_BAD_NODES:-}  # node names (n1,n2): benchmark.py fails them, to rehearse the above
-export TORCHRUN_MAX_RESTARTS=${TORCHRUN_MAX_RESTARTS:-0} # >0: torchrun restarts failed workers inside the allocation
+export SPARE_NODES=${SPARE_NODES:-0}        # nodes kept ready to replace a failed one (--nodes = nodes to train on + these)
+export MAX_RESTARTS=${MAX_RESTARTS:-3}      # restarts in place, on the same nodes, after a crashed rank on healthy nodes
 export CONTAINER_IMAGE=${CONTAINER_IMAGE:-} # run in this image (pyxis/enroot, its python) instead of .venv
 export BENCHMARK_ONLY=${BENCHMARK_ONLY:-0}  # 1: the benchmarks alone, no training (benchmark_only.sh sets it)
 VENV=${VENV:-.venv}

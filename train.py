@@ -222,7 +222,8 @@ def main(argv):
     stragglers = StragglerWatch(decoder_layers(model), args, device, log_folder, stop_requests)
     non_finite = stops.NonFiniteSteps(args.max_bad_steps, run_dir, rank == 0)
     if resume_path:
-        progress.resume(checkpointer.load(resume_path, model, optimizer, scheduler, batches), resume_path)
+        with ledger.loading():  # a part of a recovery's cost (run/goodput.py)
+            progress.resume(checkpointer.load(resume_path, model, optimizer, scheduler, batches), resume_path)
 
     model.train()
     signals.start_training(rank)

@@ -3,6 +3,7 @@ can take, and the outcome benchmark.py leaves beside it for the job, from which 
 Standard library only (see run/slurm.py)."""
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -36,6 +37,22 @@ def read_outcome(path):
         return None
     valid = isinstance(outcome, dict) and outcome.get("verdict") in ("pass", "warn", "fail")
     return outcome if valid and isinstance(outcome.get("failed_nodes"), dict) else None
+
+
+def numbered(report, run):
+    """The report of a start's run-th benchmark: the first is the start's own, later ones (the nodes left
+    once others failed, a check after a crash) are <stem>_2, _3, ..."""
+    return report if run == 1 else report.with_name(f"{report.stem}_{run}{report.suffix}")
+
+
+def last_outcome(report):
+    """The outcome of the last benchmark of the start whose first report is report; None: it has none."""
+    last = read_outcome(outcome_path(report))
+    for run in itertools.count(2):
+        later = numbered(report, run)
+        if not (later.exists() or outcome_path(later).exists()):
+            return last
+        last = read_outcome(outcome_path(later)) or last
 
 
 def report_names(scheduler, folder, given):

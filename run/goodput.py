@@ -9,7 +9,13 @@ The parts add up to wall_s, from the first launch's start to the last update:
 - stalled_s: a hang, from the last update to the watchdog's end of it;
 - waiting_s: from one launch's last update to the next launch's start (the queue, and whatever a killed
   launch did after its last update);
-- other_s: the rest (logging, teardown), never hidden."""
+- other_s: the rest (logging, teardown), never hidden.
+
+Beside the parts, `recoveries`: each failure the job (run/job.py) recovered from inside its allocation or by
+a requeue, with its cause, node and action, timed from the failure to the next launch's first step. The job
+measures its part (detection, teardown, the wait before the relaunch) and leaves it in <run folder>/
+recovery.json; the next launch's rank 0 adds its own (start-up, checkpoint load, lost steps) and records it
+whole."""
 
 import contextlib
 import json
@@ -21,6 +27,7 @@ import time
 from common.files import write_atomically
 
 LEDGER = "goodput.json"
+RECOVERY = "recovery.json"  # the job's part of a recovery, for the next launch's ledger
 PARTS = (
     "productive_s",
     "lost_s",
@@ -31,6 +38,8 @@ PARTS = (
     "stalled_s",
     "waiting_s",
 )
+RECOVERY_PARTS = ("detection_s", "teardown_s", "waiting_s", "startup_s", "load_s", "lost_s")
+RECOVERY_WORDS = ("detection", "teardown", "waiting", "start-up", "checkpoint load", "lost steps")
 SHOWN = {"lost_s": "restarts", "checkpoint_s": "checkpoints", "eval_s": "evaluation", "startup_s": "start-up",
          "benchmark_s": "benchmarks", "stalled_s": "hangs", "waiting_s": "waiting between launches",
          "other_s": "other"}  # fmt: skip
@@ -112,12 +121,14 @@ class Ledger:
 
     def __init__(self, folder, started, benchmark_s=0.0, master=True):
         self.path, self.writable, self.master = os.path.join(folder, LEDGER), master, master
-        self.first_step_done, self.prediction = False, None
+        self.started, self.first_step_done, self.load_s, self.prediction = started, False, 0.0, None
+        self.recoveries, self.recovering = [], None
         self.totals = {part: 0.0 for part in PARTS} | {"lost_steps": 0, "launches": 0}
         began = started - benchmark_s  # the job's benchmarks came before this launch, in the run's time
         self.marks = {"first_start": began, "updated": began, "step": 0, "at_checkpoint": {}}
         if master:
             self.read_earlier_launches()
+            self.recovering = read_recovery(folder)
         self.totals["launches"] += 1
         self.totals["benchmark_s"] += benchmark_s
         self.totals["waiting_s"] += max(0.0, started - benchmark_s - self.marks["updated"])
@@ -134,6 +145,7 @@ class Ledger:
             if problem := ledger_problem(totals, marks):
                 raise ValueError(problem)
             self.totals, self.marks = totals, marks
+            self.recoveries = [entry for entry in saved.get("recoveries", []) if whole_recovery(entry)]
         except FileNotFoundError:
             pass
         except OSError as error:
@@ -176,13 +188,42 @@ class Ledger:
         self.write(now)
 
     def step_done(self, step, seconds):
-        """A step of seconds done: the launch's first also ends its start-up, and says where it resumed."""
+        """A step of seconds done: the launch's first also ends its start-up, says where it resumed, and
+        completes the recovery that led to this launch."""
         if not self.first_step_done:
             self.first_step_done = True
             self.totals["startup_s"] += time.time() - seconds - self.started_up_to
+            lost = self.totals["lost_steps"], self.totals["lost_s"]
             self.resumed_at(step - 1, seconds)
+            if self.recovering:
+                lost = self.totals["lost_steps"] - lost[0], self.totals["lost_s"] - lost[1]
+                self.recovered(*lost)
         self.totals["productive_s"] += seconds
         self.marks["step"] = step
+
+    @contextlib.contextmanager
+    def loading(self):
+        """Times the launch's checkpoint load, a part of its start-up that a recovery names."""
+        started = time.perf_counter()
+        yield
+        self.load_s = time.perf_counter() - started
+
+    def recovered(self, lost_steps, lost_s):
+        """The recovery the job left in recovery.json, whole now that training goes on: from the failure to
+        the end of this launch's first step, and the steps it threw away."""
+        job, now = self.recovering, time.time()
+        relaunched = job.get("relaunched_at") or self.started
+        self.recoveries.append({
+            "cause": job["cause"], "nodes": job["nodes"], "action": job["action"],
+            "detection_s": job["detected_at"] - job["failed_at"],
+            "teardown_s": job["ended_at"] - job["detected_at"],
+            "waiting_s": relaunched - job["ended_at"], "startup_s": now - relaunched - self.load_s,
+            "load_s": self.load_s, "lost_steps": lost_steps, "lost_s": lost_s,
+            "cost_s": now - job["failed_at"] + lost_s,
+        })  # fmt: skip
+        self.recovering = None
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(os.path.dirname(self.path), RECOVERY))
 
     @contextlib.contextmanager
     def spending(self, part):
@@ -224,7 +265,8 @@ class Ledger:
         warning."""
         now = now or time.time()
         self.marks["updated"] = now
-        text = json.dumps({**self.figures(now), "prediction": self.prediction, "marks": self.marks}, indent=1)
+        saved = {**self.figures(now), "recoveries": self.recoveries, "prediction": self.prediction}
+        text = json.dumps({**saved, "marks": self.marks}, indent=1)
         try:
             if self.writable:
                 write_atomically(self.path, text + "\n")
@@ -241,4 +283,59 @@ class Ledger:
             f"{100 * value:.1f}% to {SHOWN[part]}" for part, value in share.items() if value >= 5e-4
         )
         effective = figures["effective_training_time"] or 0.0
-        return f"effective training time {100 * effective:.1f}%: lost {parts or 'nothing'} ({self.path})"
+        line = f"effective training time {100 * effective:.1f}%: lost {parts or 'nothing'} ({self.path})"
+        return line + recoveries_cost(self.recoveries)
+
+
+def whole_recovery(entry):
+    """Whether a recovery read back has every figure the end-of-launch line sums."""
+    figures = (*RECOVERY_PARTS, "lost_steps", "cost_s")
+    return isinstance(entry, dict) and all(isinstance(entry.get(name), (int, float)) for name in figures)
+
+
+def recoveries_cost(recoveries):
+    """What the run's recoveries cost, summed by part, for the end-of-launch line ('' when none)."""
+    if not recoveries:
+        return ""
+    total = {part: sum(entry[part] for entry in recoveries) for part in (*RECOVERY_PARTS, "lost_steps")}
+    parts = ", ".join(f"{words} {total[part]:.0f} s" for part, words in zip(RECOVERY_PARTS, RECOVERY_WORDS))
+    count = f"{len(recoveries)} recover{'y' if len(recoveries) == 1 else 'ies'}"
+    return (
+        f"; {count} cost {sum(e['cost_s'] for e in recoveries):.0f} s: {parts} ({total['lost_steps']} steps)"
+    )
+
+
+def write_recovery(folder, cause, nodes, action, failed_at, detected_at, ended_at):
+    """The job's part of a recovery, for the next launch (epoch times): what failed, when the job knew, when
+    the failed launch was gone."""
+    write_atomically(os.path.join(folder, RECOVERY), json.dumps({
+        "cause": cause, "nodes": nodes, "action": action, "failed_at": failed_at, "detected_at": detected_at,
+        "ended_at": ended_at,
+    }))  # fmt: skip
+
+
+def relaunching(folder):
+    """The job starts the launch after a recovery: the time the launch's start-up is counted from."""
+    recovery = read_recovery(folder)
+    if recovery and not recovery.get("relaunched_at"):
+        write_atomically(
+            os.path.join(folder, RECOVERY), json.dumps({**recovery, "relaunched_at": time.time()})
+        )
+
+
+def read_recovery(folder):
+    """recovery.json, or None where there is none, or it is damaged (a warning: that recovery goes
+    unrecorded)."""
+    path = os.path.join(folder, RECOVERY)
+    try:
+        with open(path) as file:
+            recovery = json.load(file)
+        times = ("failed_at", "detected_at", "ended_at")
+        if not all(isinstance(recovery.get(name), (int, float)) for name in times):
+            raise ValueError("a time is not a number")
+        return recovery
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, AttributeError) as error:
+        print(f"warning: {path} is unreadable ({error}); that recovery goes unrecorded", file=sys.stderr)
+        return None

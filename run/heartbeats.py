@@ -1,6 +1,10 @@
-"""Every rank's heartbeat: <log_dir>/<run_name>/heartbeats/rank<R>.json, rewritten by each rank's watchdog
-thread (run/watchdog.py), whose reading names the node a hang waits for."""
+"""Every rank's heartbeat, and what the beats tell of a node: <log_dir>/<run_name>/heartbeats/rank<R>.json,
+rewritten by each rank's watchdog thread (run/watchdog.py). A hung rank's watchdog reads them to name the
+node its hang waits for; the job (run/job.py) reads them while a launch runs, to find a node whose ranks fell
+silent (a stopped, dead or cut-off node) within SILENT_S whatever the step time, and to time a failure.
+Standard library only: the job may run on a python without torch (run/slurm.py)."""
 
+import atexit
 import contextlib
 import json
 import os
@@ -12,6 +16,7 @@ from common.node import node_name
 
 HEARTBEAT_S = 5.0  # each rank's heartbeat file is rewritten this often
 SILENT_S = 4 * HEARTBEAT_S  # a heartbeat this old: the rank's process is stopped, dead or cut off
+FOLDER = "heartbeats"  # in the run folder
 
 
 def waiting_in_collective(thread_id):
@@ -21,27 +26,46 @@ def waiting_in_collective(thread_id):
     return frame is not None and f"torch{os.sep}distributed{os.sep}" in frame.f_code.co_filename
 
 
+def read_beats(folder, world_size, token=None):
+    """{rank: beat} of <folder>/rank<R>.json, of the launch named token (None: of any launch)."""
+    beats = {}
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(folder, f"rank{rank}.json")) as file:
+                beat = json.load(file)
+        except (OSError, ValueError):
+            continue
+        if isinstance(beat, dict) and (token is None or beat.get("token") == token):
+            beats[rank] = beat
+    return beats
+
+
 class Heartbeats:
     """<folder>/heartbeats/rank<R>.json, rewritten every HEARTBEAT_S by the rank's watchdog thread: its node,
-    the steps it has completed, whether its training thread waits in a collective, and the time. token
+    the steps it has completed, whether its training thread waits in a collective, and the time; a last one
+    says the process ended (ended: true), so that a rank that left is not taken for a silent one. token
     names the launch: files an earlier launch left are ignored."""
 
     def __init__(self, folder, rank, world_size, token, thread_id):
-        self.folder, self.rank, self.world_size = os.path.join(folder, "heartbeats"), rank, world_size
-        self.token, self.thread_id, self.node, self.last = token, thread_id, node_name(), 0.0
+        self.folder, self.rank, self.world_size = os.path.join(folder, FOLDER), rank, world_size
+        self.token, self.thread_id, self.node, self.last, self.steps = token, thread_id, node_name(), 0.0, 0
         self.unwritten = False  # whether a write failed, which is said once
         os.makedirs(self.folder, exist_ok=True)
+        atexit.register(self.write, ended=True)  # not reached by a killed, stopped or hung (_exit) rank
 
     def beat(self, steps):
-        """Called often; writes at most every HEARTBEAT_S. A full or failing disk must not end the run: a beat
-        that cannot be written is said once, and the rank's older beat removed, so that no reader takes it for
-        the rank's state (a rank that never stepped, or whose beat stopped)."""
-        now = time.time()
-        if now - self.last < HEARTBEAT_S:
-            return
-        self.last = now
-        beat = {"token": self.token, "node": self.node, "rank": self.rank, "steps": steps, "time": now}
-        beat["waiting"] = waiting_in_collective(self.thread_id)
+        """Called often; writes at most every HEARTBEAT_S."""
+        self.steps, now = steps, time.time()
+        if now - self.last >= HEARTBEAT_S:
+            self.last = now
+            self.write(ended=False)
+
+    def write(self, ended):
+        """A full or failing disk must not end the run: a beat that cannot be written is said once, and the
+        rank's older beat removed, so that no reader takes it for the rank's state (a rank that never
+        stepped, or whose beat stopped)."""
+        beat = {"token": self.token, "node": self.node, "rank": self.rank, "steps": self.steps}
+        beat.update(ended=ended, time=time.time(), waiting=waiting_in_collective(self.thread_id))
         path = os.path.join(self.folder, f"rank{self.rank}.json")
         try:
             write_atomically(path, json.dumps(beat))
@@ -53,26 +77,14 @@ class Heartbeats:
                       f"left stale, and training goes on", file=sys.stderr, flush=True)  # fmt: skip
             self.unwritten = True
 
-    def read(self):
-        beats = {}
-        for rank in range(self.world_size):
-            try:
-                with open(os.path.join(self.folder, f"rank{rank}.json")) as file:
-                    beat = json.load(file)
-            except (OSError, ValueError):
-                continue
-            if beat.get("token") == self.token:
-                beats[rank] = beat
-        return beats
-
     def suspects(self):
         """{node: why} of a hang: the ranks whose heartbeat stopped (a stopped, dead or unreachable process);
         else, every beat being fresh, the ranks that still compute while every other waits in a collective
         for them. {} when the heartbeats cannot tell yet (a late beat), or at all (all waiting: the network,
         or a collective no rank can finish)."""
-        beats, now = self.read(), time.time()
+        beats, now = read_beats(self.folder, self.world_size, self.token), time.time()
         ages = {rank: now - beat["time"] for rank, beat in beats.items()}
-        silent = {rank: age for rank, age in ages.items() if age > SILENT_S}
+        silent = {rank: age for rank, age in ages.items() if age > SILENT_S and not beats[rank]["ended"]}
         if silent:
             return by_node(beats, silent, "rank {rank} sent no heartbeat for {value:.0f} s")
         if max(ages.values(), default=0) > 2 * HEARTBEAT_S:  # a late beat is old news: wait for silence
@@ -91,3 +103,44 @@ def by_node(beats, values, words):
         node = beats[rank]["node"]
         nodes[node] = "; ".join(filter(None, [nodes.get(node), words.format(rank=rank, value=value)]))
     return nodes
+
+
+class LaunchBeats:
+    """The job's reading of one launch's heartbeats, as it polls: the beats written since the launch started
+    (started, the epoch time) are its own, the token of the first of them names it. Also when its steps last
+    advanced (progress_at), the time a failure is counted from."""
+
+    def __init__(self, run_folder, world_size, started):
+        self.folder, self.world_size, self.started = os.path.join(run_folder, FOLDER), world_size, started
+        self.token, self.steps, self.progress_at = None, {}, started
+
+    def read(self):
+        if self.token is None:
+            beats = read_beats(self.folder, self.world_size).values()
+            fresh = [beat for beat in beats if beat["time"] >= self.started]
+            if not fresh:
+                return {}
+            self.token = min(fresh, key=lambda beat: beat["time"])["token"]
+        beats = read_beats(self.folder, self.world_size, self.token)
+        for rank, beat in beats.items():
+            if beat["steps"] > self.steps.get(rank, 0):
+                self.steps[rank], self.progress_at = beat["steps"], max(self.progress_at, beat["time"])
+        return beats
+
+    @property
+    def trained(self):
+        """Whether a rank of the launch completed a step."""
+        return any(self.steps.values())
+
+    def silent_nodes(self):
+        """({node: why}, the last beat of any of them) of the nodes every rank of which sent no heartbeat for
+        SILENT_S and did not end, while a rank on another node still beats: ({}, None) when none, or when
+        every node fell silent at once (the filesystem of the heartbeats, or the job's own host)."""
+        beats, now = self.read(), time.time()
+        ages = {rank: now - beat["time"] for rank, beat in beats.items() if not beat["ended"]}
+        alive = {beats[rank]["node"] for rank, age in ages.items() if age <= SILENT_S}
+        silent = {rank: age for rank, age in ages.items() if beats[rank]["node"] not in alive}
+        if not silent or not alive:
+            return {}, None
+        last = max(beats[rank]["time"] for rank in silent)
+        return by_node(beats, silent, "rank {rank} sent no heartbeat for {value:.0f} s"), last

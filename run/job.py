@@ -1,11 +1,12 @@
 """The job that slurm_submit.sh and benchmark_only.sh hand over to, phase after phase:
 1. train.py's options are checked first, on one node: a typo costs seconds, not the benchmarks;
-2. benchmark.py on every node (a requeued job skips it once it passed);
-3. a failed phase that blamed nodes: they are left out, and the job requeues without them;
-4. training, with SLURM's SIGUSR1 (the time limit is near) passed on to the workers, and the step of a
-   frozen node ended;
+2. benchmark.py on every node (a requeued job skips it once it passed); a node it fails is left out;
+3. training on all nodes but SPARE_NODES of them, kept ready, with SLURM's SIGUSR1 (the time limit is near)
+   passed on to the workers, and a node that froze found by its heartbeats;
+4. after a failure, the recovery (run/recovery.py): a restart in place, a spare for a bad node, fewer nodes,
+   or a requeue without it;
 5. at the time limit, the requeue that resumes from the checkpoint.
-Knobs come from the environment (slurm_submit.sh lists them); the arguments go to train.py, or to
+Knobs come from the environment (slurm_submit.sh sets them); the arguments go to train.py, or to
 benchmark.py under benchmark_only.sh. Outside SLURM the same phases run on this machine: the quick start.
 Every call to SLURM goes through run/slurm.py. Standard library only (see run/slurm.py)."""
 
@@ -24,19 +25,28 @@ from pathlib import Path
 from common import suspects
 from common.files import write_atomically
 from common.node import node_name
-from run import slurm
-from run.benchmark_reports import outcome_path, read_outcome, report_names, split_report
+from run import goodput, slurm
+from run.benchmark_reports import (
+    last_outcome,
+    numbered,
+    outcome_path,
+    read_outcome,
+    report_names,
+    split_report,
+)
+from run.heartbeats import HEARTBEAT_S
+from run.job_launch import Watch
+from run.recovery import JobError, Recovery, log
 
 # Each knob and what it takes: a whole number, at least this one, or str (text). slurm_submit.sh sets every
 # one, with its default and what it does: the job has no default of its own.
 KNOBS = {"SKIP_BENCHMARK": 0, "CONTINUE_ON_BENCHMARK_FAILURE": 0, "NPROC_PER_NODE": 1, "REQUIRE_GPUS": 0,
-         "MAX_REQUEUES": 0, "MAX_EXCLUDED_NODES": 0, "TORCHRUN_MAX_RESTARTS": 0, "BENCHMARK_ONLY": 0,
+         "MAX_REQUEUES": 0, "MAX_EXCLUDED_NODES": 0, "SPARE_NODES": 0, "MAX_RESTARTS": 0, "BENCHMARK_ONLY": 0,
          "BENCHMARK_ARGS": str, "CONTAINER_IMAGE": str}  # fmt: skip
 # train.py's arguments on nodes without GPUs, before the user's, which override them
 CPU_RUN = ["--model=tiny", "--data=dummy", "--max_steps=40", "--seq_length=64", "--batch_size=4", "--lr=3e-3",
            "--warmup_steps=4", "--compile=False", "--activation_checkpointing=none", "--log_every=5",
            "--log_dir=logs/quickstart"]  # fmt: skip
-HANG_GRACE_S = 15  # a watchdog blamed a node this long ago and the step goes on: that node froze
 # SIGUSR1 with more than EARLY_SIGNAL of the time limit left, beyond the SIGNAL_EARLINESS_S by which SLURM
 # may send it early (sbatch(1): "up to 60 seconds earlier than specified"): the signal's lead is longer than
 # the limit allows, and each start would requeue at once; the job stops with SCALED_LEAD of the limit left.
@@ -44,18 +54,6 @@ EARLY_SIGNAL = 0.8
 SIGNAL_EARLINESS_S = 60
 SCALED_LEAD = 0.1
 STOP_FILE = "stop_requested"  # in the run folder: rank 0 looks for it (JOB_STOP_FILE, run/stops.py)
-
-
-class JobError(Exception):
-    """Stops the job with one line; status is its exit status."""
-
-    def __init__(self, message, status=1):
-        super().__init__(message)
-        self.status = status
-
-
-def log(message):
-    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
 
 
 def read_knobs(environ):
@@ -96,8 +94,10 @@ def visible_gpus():
     return sum(line.startswith("GPU") for line in listed.splitlines())
 
 
-class Job:
-    """One start of the job: run() goes through the phases and returns the job's exit status."""
+class Job(Recovery):
+    """One start of the job: run() goes through the phases and returns the job's exit status. Of its nodes
+    (nodes: those of the allocation it has not left out), it trains on `training`, and keeps the others as
+    spares."""
 
     def __init__(self, knobs, scheduler, argv, python, environ):
         self.knobs, self.scheduler, self.argv, self.python = knobs, scheduler, argv, python
@@ -105,8 +105,9 @@ class Job:
         self.signals = []  # signal numbers, as the handler got them; handled between polls
         self.stop = False  # SIGUSR1 came: the workers checkpoint and the job requeues
         self.stop_deadline = None  # an early SIGUSR1: stop at this time of clock() instead
-        self.clock, self.poll_s, self.retry_s = time.monotonic, 1.0, 0.3
-        self.run_folder, self.benchmark_s, self.process = None, 0.0, None
+        self.clock, self.poll_s, self.retry_s, self.beats_s = time.monotonic, 1.0, 0.3, HEARTBEAT_S
+        self.run_folder, self.benchmark_s, self.process, self.benchmarks_run = None, 0.0, None, 0
+        self.train_args, self.restarts_in_place = None, 0
 
     def on_signal(self, number, _frame):
         self.signals.append(number)
@@ -131,21 +132,21 @@ class Job:
             "knobs: "
             + " ".join(f"{name}={shlex.quote(str(value))}" for name, value in vars(self.knobs).items())
         )
+        self.allocated = len(hosts)
         self.nodes = self.usable(hosts)
+        self.training = self.nodes[: len(self.nodes) - self.spares()]
+        self.training_count = len(self.training)
         train_args, bench_args = self.arguments(gpus)
         if self.knobs.BENCHMARK_ONLY:
-            status, _, _, failure = self.benchmark(bench_args)
+            status, _, _, failure = self.benchmark(bench_args, self.nodes)
             if failure:
                 print(f"error: {failure}", file=sys.stderr)
             return status
+        self.train_args, self.bench_args = train_args, bench_args
         self.run_folder = self.check(train_args)
-        status, report, ran, failure = self.benchmark(bench_args)
+        status, report, ran, failure = self.benchmarks(bench_args)
         if failure and not self.knobs.CONTINUE_ON_BENCHMARK_FAILURE:
-            print(
-                f"error: {failure}; not training (CONTINUE_ON_BENCHMARK_FAILURE=1 trains anyway)",
-                file=sys.stderr,
-            )
-            return self.heal(status)
+            return status
         if failure:
             print(f"{failure}; CONTINUE_ON_BENCHMARK_FAILURE=1, so training anyway")
         if ran and self.stop:  # the time limit came during the benchmarks: the requeued run goes on to train
@@ -203,6 +204,24 @@ class Job:
             )
         return nodes
 
+    def spares(self):
+        """How many of the nodes this start keeps as spares: SPARE_NODES, or fewer when a requeued start has
+        fewer nodes; it trains on one at least."""
+        wanted = 0 if self.knobs.BENCHMARK_ONLY else self.knobs.SPARE_NODES
+        if wanted and self.allocated <= wanted:
+            raise JobError(
+                f"SPARE_NODES={wanted} leaves no node to train on: the job has {self.allocated} node(s); "
+                f"ask for the nodes to train on and {wanted} more (#SBATCH --nodes=N+{wanted}, or sbatch "
+                "--nodes)",
+                2,
+            )
+        kept = min(wanted, len(self.nodes) - 1)
+        if wanted:
+            spares = " ".join(self.nodes[len(self.nodes) - kept :])
+            named = f"{spares} kept as spare{'s' * (kept > 1)}" if kept else "no spare"
+            log(f"training on {len(self.nodes) - kept} nodes, {named} (SPARE_NODES={wanted})")
+        return kept
+
     def arguments(self, gpus):
         """train.py's and benchmark.py's arguments: the defaults for the job's devices, then the user's."""
         bench_args = self.knobs.BENCHMARK_ARGS.split()
@@ -211,7 +230,7 @@ class Job:
             # internet need `python train.py --prepare_only --data=wikitext` once on a login node
             train_args = ["--data=wikitext"]
         else:  # a run small enough for CPUs: 4 sequences per process, at least 16 per step
-            world = self.nproc * len(self.nodes)
+            world = self.nproc * len(self.training)
             bench_args = ["--quick", *bench_args]
             train_args = [*CPU_RUN, f"--global_batch_size={4 * world * ((4 + world - 1) // world)}"]
             if not self.scheduler.in_job:
@@ -223,53 +242,82 @@ class Job:
             return train_args, [*bench_args, *self.argv]
         return [*train_args, *self.argv], bench_args
 
-    def check(self, train_args):
-        """train.py --check_only: returns the run's log folder, where a failed phase leaves the nodes it
-        blames. Where only the container has the Python, it runs there, on the first node."""
+    def options_fit(self, train_args, nodes):
+        """train.py --check_only, for a world of that many nodes: the run's log folder, where a failed phase
+        leaves the nodes it blames; None when train.py refused its options (it says why). Where only the
+        container has the Python, it runs there, on the first node."""
         here = os.getcwd() if self.knobs.CONTAINER_IMAGE else None  # a folder the container sees
         with tempfile.TemporaryDirectory(prefix=".job-check-", dir=here) as folder:
             checked = os.path.join(folder, "checked.json")
-            env = {**self.environ, "WORLD_SIZE": str(self.nproc * len(self.nodes)), "CHECKED_JSON": checked}
+            env = {**self.environ, "WORLD_SIZE": str(self.nproc * nodes), "CHECKED_JSON": checked}
             command = [self.python, "train.py", "--check_only", *train_args]
             if self.scheduler.check(self.nodes[0], command, env, self.knobs.CONTAINER_IMAGE) != 0:
-                raise JobError("not started: train.py refused its options (above)", 2)
+                return None
             with open(checked) as file:
-                run_folder = json.load(file)["log_folder"]
+                return json.load(file)["log_folder"]
+
+    def check(self, train_args):
+        run_folder = self.options_fit(train_args, len(self.training))
+        if run_folder is None:
+            raise JobError("not started: train.py refused its options (above)", 2)
         with_stop = os.path.join(run_folder, STOP_FILE)
         if os.path.exists(with_stop):  # an earlier start's: this start has had no stop yet
             os.remove(with_stop)
         return run_folder
 
-    def benchmark(self, bench_args):
-        """Phase 1 on every node. Returns its status (0: its verdict lets the job train), the report to give
+    def benchmarks(self, bench_args):
+        """Phase 1 on every node, as benchmark() returns it; where the job may not train on these nodes, the
+        job's exit status is the first of the four. The nodes the benchmark fails are left out, and the job
+        requeues without them, or goes on here with the others (run/recovery.py), benchmarked again."""
+        status, report, ran, failure = self.benchmark(bench_args, self.nodes)
+        while failure and not self.knobs.CONTINUE_ON_BENCHMARK_FAILURE:
+            gone = self.blame(status) if self.may_leave_out() and self.failed else []
+            action = self.without(gone) if gone else None
+            if action in (None, "requeue"):
+                then = "CONTINUE_ON_BENCHMARK_FAILURE=1 trains anyway"
+                print(f"error: {failure}; not training ({then})", file=sys.stderr)
+                return (self.requeue_left_out(status) if action else status), None, ran, failure
+            log(f"benchmarking {' '.join(self.nodes)} again, without {','.join(gone)}")
+            status, report, ran, failure = self.benchmark(bench_args, self.nodes)
+        return status, report, ran, failure
+
+    def benchmark(self, bench_args, nodes, again=False):
+        """benchmark.py on nodes. Returns its status (0: its verdict lets the job train), the report to give
         training (None: none), whether it ran, and why the job may not train (None: it may), from the
         outcome benchmark.py writes for the job, never from its exit status alone: a benchmark that stopped
-        before a verdict failed no check."""
+        before a verdict failed no check. The nodes it fails: self.failed. again: a check after a crash,
+        which an earlier start's passing benchmark does not stand in for."""
+        self.failed = {}
         if self.knobs.SKIP_BENCHMARK:
             print("SKIP_BENCHMARK=1: skipping the benchmarks")
             return 0, None, False, None
         rest, folder, given = split_report(bench_args)
         reports = report_names(self.scheduler, folder, given)
-        earlier = [outcome for outcome in map(read_outcome, map(outcome_path, reports[:-1])) if outcome]
-        if earlier and earlier[-1]["verdict"] != "fail":
+        earlier = [outcome for outcome in map(last_outcome, reports[:-1]) if outcome]
+        if not again and not self.benchmarks_run and earlier and earlier[-1]["verdict"] != "fail":
             print("requeued run: skipping the benchmarks (they passed in this job's earlier start)")
             return 0, Path(earlier[-1]["report"]), False, None
-        report = reports[-1]
+        self.benchmarks_run += 1
+        report = numbered(reports[-1], self.benchmarks_run)
         args = [*rest, f"--report={report}", f"--outcome={outcome_path(report)}"]
         if self.run_folder:
             args.append(f"--suspects_folder={suspects.suspects_folder(self.run_folder)}")
         command = [self.python, "benchmark.py", "--check_only", *args]  # on one node: a typo costs seconds
-        if self.scheduler.check(self.nodes[0], command, self.environ, self.knobs.CONTAINER_IMAGE) != 0:
+        checked = self.benchmarks_run > 1  # the same options, checked before this start's first benchmark
+        if not checked and self.scheduler.check(
+            self.nodes[0], command, self.environ, self.knobs.CONTAINER_IMAGE
+        ):
             raise JobError("not started: benchmark.py refused its options (above)", 2)
         log(f"phase 1: benchmark.py {' '.join(bench_args)}")
         started = self.clock()
-        status = self.launch("benchmark.py", args, {})
-        self.benchmark_s = self.clock() - started
+        status = self.launch("benchmark.py", args, {}, nodes).status
+        self.benchmark_s += self.clock() - started
         outcome = read_outcome(outcome_path(report))
         if outcome is None:
             why = f"the benchmark stopped before a verdict (exit {status}; see its output above)"
             return status or 1, None, True, why
         if outcome["verdict"] == "fail":
+            self.failed = outcome["failed_nodes"]
             blamed = ", ".join(outcome["failed_nodes"]) or "no node"
             why = (
                 f"the benchmark's verdict is fail (exit {status}), blaming {blamed}: its failing checks are "
@@ -281,44 +329,57 @@ class Job:
         return 0, Path(outcome["report"]), True, None
 
     def train(self, train_args, report):
-        env = {"BENCHMARK_SECONDS": f"{self.benchmark_s:.1f}", "JOB_STOP_FILE": self.stop_file()}
+        """Phase 2, launched again after each failure the job recovers from inside its allocation."""
+        env = {"JOB_STOP_FILE": self.stop_file()}
         if report:  # train.py points to it from the run folder (benchmark_reports.txt)
             env["BENCHMARK_REPORT"] = str(report)
-        log(f"phase 2: train.py {' '.join(train_args)}")
-        status = self.launch("train.py", train_args, env)
-        log(f"training exited with status {status}")
-        if self.stop and status != 0:
-            return self.requeue(status)
-        return self.heal(status) if status else 0
+        while True:
+            env["BENCHMARK_SECONDS"] = f"{self.benchmark_s:.1f}"  # since the last launch, for the ledger
+            self.benchmark_s = 0.0
+            goodput.relaunching(self.run_folder)
+            log(f"phase 2: train.py {' '.join(train_args)}")
+            watch = self.launch("train.py", train_args, env, self.training)
+            log(f"training exited with status {watch.status}")
+            if watch.status == 0:
+                return 0
+            if self.stop:  # the time limit: a node to blame as well is left out of the requeued start
+                blamed = self.may_leave_out() and (watch.failure or watch.blamed())
+                return (
+                    watch.status
+                    if blamed and self.blame(watch.status) is None
+                    else self.requeue(watch.status)
+                )
+            status = self.recover(watch)
+            if status is not None:
+                return status
+            if self.stop:  # the time limit came while the job recovered: the requeued start trains
+                return self.requeue(watch.status)
 
     def stop_file(self):
         return os.path.join(self.run_folder, STOP_FILE)
 
-    def launch(self, script, args, env):
-        """One phase, torchrun on every node; returns its exit status. Meanwhile it hands a stop on to the
-        workers, and ends the step of a node that froze: once the other ranks blamed it and had time to
-        exit, and it still never lets its srun end."""
-        blamed = suspects.suspects_folder(self.run_folder) if self.run_folder else None
-        if blamed:
-            shutil.rmtree(blamed, ignore_errors=True)
-        torchrun = self.scheduler.torchrun(
-            self.python, self.nodes, self.nproc, self.knobs.TORCHRUN_MAX_RESTARTS
-        )
+    def launch(self, script, args, env, nodes):
+        """One phase, torchrun on nodes, watched until it exits (run/job_launch.py). Meanwhile it hands a stop
+        on to the workers, and ends a launch whose node failed without ending it: a node silent or blamed
+        for a hang, whose srun never ends by itself."""
+        if self.run_folder:
+            shutil.rmtree(suspects.suspects_folder(self.run_folder), ignore_errors=True)
+        torchrun = self.scheduler.torchrun(self.python, nodes, self.nproc)
         self.handle_signals()  # a stop that came before: its file is there when the workers look
         process = self.process = self.scheduler.start(
-            self.nodes, [*torchrun, script, *args], {**self.environ, **env}
+            nodes, [*torchrun, script, *args], {**self.environ, **env}
         )
-        ended = False
+        training = self.run_folder if script == "train.py" else None
+        watch = Watch(process, training, self.nproc * len(nodes), self.beats_s)
         while process.poll() is None:
             self.handle_signals()
-            if blamed and not ended and suspects.hang_blamed(blamed, HANG_GRACE_S):
-                log(f"a hang blamed a node {HANG_GRACE_S} s ago ({blamed}) and the step goes on: ending it")
+            if watch.look():
+                log(f"{watch.seen}, and the launch goes on: ending it")
                 self.scheduler.end(process)
-                ended = True
             time.sleep(self.poll_s)
         self.handle_signals()
         self.process = None
-        return process.returncode
+        return watch.finish(process.returncode)
 
     def handle_signals(self):
         """Acts on the signals the handler saw: SIGTERM (the time limit, scancel) changes nothing, as the
@@ -366,73 +427,6 @@ class Job:
             file=sys.stderr,
             flush=True,
         )
-
-    def requeue(self, status):
-        """Requeues the job to resume from its checkpoint; status is the exit status if none is left."""
-        restarts, cap = self.scheduler.restarts, self.knobs.MAX_REQUEUES
-        if self.scheduler.in_job and restarts >= cap:
-            print(f"stopped for the time limit, but all MAX_REQUEUES={cap} requeues are used")
-            return status
-        if self.scheduler.in_job:
-            log(
-                f"requeueing job {self.scheduler.job_id} (restart {restarts + 1} of at most {cap}), "
-                "to resume from the checkpoint"
-            )
-        refused = self.scheduler.requeue()
-        if refused:
-            print(f"stopped and not requeued: {refused}", file=sys.stderr)
-            return status
-        return 0
-
-    def heal(self, status):
-        """After a failed phase that blamed nodes: they are added to <run folder>/excluded_nodes and the job
-        requeues without them, to resume from its last checkpoint on the others (docs/SLURM.md). A failure
-        that blames no node (bad input, a diverging loss, a full disk) stops the job, as does a node beyond
-        MAX_EXCLUDED_NODES. status is the exit status when the job stops."""
-        if not (self.scheduler.in_job and self.run_folder and self.knobs.MAX_EXCLUDED_NODES > 0):
-            return status
-        try:
-            new = suspects.exclude(self.run_folder, self.knobs.MAX_EXCLUDED_NODES)
-        except suspects.TooManyBadNodes as error:
-            print(f"error: stopping: {error}", file=sys.stderr)
-            return status
-        nodes = list(suspects.read_excluded(self.run_folder)[0]) if new else []
-        restarts, cap, job_id = self.scheduler.restarts, self.knobs.MAX_REQUEUES, self.scheduler.job_id
-        named = ",".join(nodes)
-        if nodes and restarts >= cap:
-            print(
-                f"error: stopping: {named} left out, but all MAX_REQUEUES={cap} requeues are used",
-                file=sys.stderr,
-            )
-        if not nodes or restarts >= cap:
-            return status
-        log(
-            f"leaving out {named} (why: {self.run_folder}/excluded_nodes); requeueing job {job_id} "
-            f"(restart {restarts + 1} of at most {cap}) to resume on the other nodes"
-        )
-        return self.requeue_without(nodes, status)
-
-    def requeue_without(self, nodes, status):
-        excluded = self.scheduler.excluded()  # as SLURM writes it: n[2-3] names n2 and n3
-        refused = self.scheduler.set_comment(slurm.with_left_out(self.scheduler.comment(), nodes))
-        refused = refused or self.scheduler.requeue()
-        if refused:
-            print(
-                f"error: stopping: SLURM refused to requeue the job without {','.join(nodes)}: {refused}",
-                file=sys.stderr,
-            )
-            return status
-        # A running job's node list cannot change. Once requeued it can, until it starts again; SLURM may
-        # refuse while the job completes, and then the comment above keeps the next start off these nodes.
-        for _ in range(10):
-            if self.scheduler.exclude(",".join(dict.fromkeys(filter(None, [excluded, *nodes])))) is None:
-                return 0
-            time.sleep(self.retry_s)
-        log(
-            f"SLURM refused ExcNodeList={','.join(nodes)} for now: the next start may be given them, and "
-            "runs on its other nodes"
-        )
-        return 0
 
 
 def main(argv):

@@ -20,6 +20,10 @@ def duration_s(text):
     return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
+# sinfo's short node states (%t) of a node no job will start on until someone acts
+UNUSABLE = ("down", "drain", "drng", "fail", "futr", "inval", "maint", "unk")
+
+
 class Local:
     """No SLURM job: this machine is the one node, launches are torchrun --standalone, nothing requeues."""
 
@@ -35,12 +39,14 @@ class Local:
         """(seconds left, the time limit in seconds), or None: no limit."""
         return None
 
-    def torchrun(self, python, nodes, nproc, max_restarts):
+    def torchrun(self, python, nodes, nproc):
+        """torchrun restarts nothing itself: the job does, choosing the nodes (run/job.py)."""
         return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                f"--max-restarts={max_restarts}"]  # fmt: skip
+                "--max-restarts=0"]  # fmt: skip
 
     def start(self, nodes, command, env):
-        return subprocess.Popen(command, env=env)
+        """A launch; its stderr is a pipe the job reads (run/job_launch.py)."""
+        return subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
 
     def check(self, node, command, env, container_image):
         """Runs a script's check of its options (train.py's, benchmark.py's) here; returns its exit status."""
@@ -116,17 +122,32 @@ class Slurm(Local):
         limit, ran = duration_s(fields.get("TimeLimit", "")), duration_s(fields.get("RunTime", ""))
         return None if limit is None or ran is None else (limit - ran, limit)
 
-    def torchrun(self, python, nodes, nproc, max_restarts):
+    def torchrun(self, python, nodes, nproc):
         # The port comes from the job id, so that two jobs sharing a node do not collide, and lies below the
         # kernel's ephemeral ports (32768 and up), one of which an outgoing connection may hold on nodes[0].
         port = 10000 + int(self.job_id) % 20000
         return [python, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}", f"--nproc_per_node={nproc}",
                 "--rdzv_backend=c10d", f"--rdzv_endpoint={nodes[0]}:{port}", f"--rdzv_id={self.job_id}",
-                f"--max-restarts={max_restarts}"]  # fmt: skip
+                "--max-restarts=0"]  # fmt: skip
 
     def start(self, nodes, command, env):
         where = [f"--nodes={len(nodes)}", f"--nodelist={','.join(nodes)}"]
-        return subprocess.Popen([*self.srun, *where, *command], env=env)
+        return subprocess.Popen([*self.srun, *where, *command], env=env, stderr=subprocess.PIPE)
+
+    def partition_nodes(self):
+        """The nodes of the job's partitions that can run it now or later, by name: down, drained, failed,
+        future and unresponsive ones (state*) left out. None when sinfo does not answer."""
+        partition = self.fields().get("Partition", "")
+        status, out = self.call("sinfo", "-h", "-N", "-p", partition, "-o", "%N %t")
+        if status != 0 or not partition:
+            return None
+        nodes = [line.split() for line in out.splitlines() if len(line.split()) == 2]
+        usable = [name for name, state in nodes if not state.endswith("*") and not state.startswith(UNUSABLE)]
+        return list(dict.fromkeys(usable))  # a node of two partitions is listed twice
+
+    def ask_for_nodes(self, least, most):
+        status, out = self.call("scontrol", "update", f"JobId={self.job_id}", f"NumNodes={least}-{most}")
+        return None if status == 0 else out
 
     def check(self, node, command, env, container_image):
         """Runs a script's check of its options on node when only the container has its Python, else here."""

@@ -4,8 +4,11 @@
 #   bash tests/slurm_cluster.sh up     # installs the packages if needed; controller + NNODES slurmd (n1, n2, ...)
 #   bash tests/slurm_cluster.sh down   # stops the daemons it started (packages and config stay)
 # All "nodes" are this machine: each claims all its CPUs, and nothing limits a job's CPUs or memory.
+# PARTITIONS="debug=n[1-3] spare=n[4-6]": partitions of these nodes, the first the default; by default one,
+# debug, of every node. Jobs in different partitions never wait for each other's nodes.
 set -euo pipefail
 NNODES=${NNODES:-2}
+PARTITIONS=${PARTITIONS:-debug=n[1-$NNODES]}
 HOSTS_TAG="# slurm-ci-nodes"
 CONF_TAG="# written by tests/slurm_cluster.sh"
 
@@ -87,8 +90,12 @@ KillWait=5
 MinJobAge=300
 NodeName=DEFAULT CPUs=$ncpu RealMemory=$node_mem State=UNKNOWN
 NodeName=n[1-$NNODES] NodeHostname=$host NodeAddr=127.0.0.1 Port=17001-$((17000 + NNODES))
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+  local spec default=YES
+  for spec in $PARTITIONS; do
+    echo "PartitionName=${spec%%=*} Nodes=${spec#*=} Default=$default MaxTime=INFINITE State=UP" >> /etc/slurm/slurm.conf
+    default=NO
+  done
 }
 
 up() {

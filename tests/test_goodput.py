@@ -28,13 +28,19 @@ def assert_adds_up(figures):
 
 @pytest.mark.parametrize("number", [signal.SIGKILL, signal.SIGTERM])
 def test_a_relaunch_counts_exactly_the_steps_it_lost(tmp_path, number):
-    """SIGKILL between checkpoints loses the steps after the last; SIGTERM saves first and loses none."""
+    """SIGKILL between checkpoints loses the steps after the last; SIGTERM saves first and loses none. After
+    the SIGKILL, the job's part of the recovery (run/job.py) is in the run folder, as the job leaves it, and
+    the relaunch records the recovery whole."""
     args = [f"--checkpoint_dir={tmp_path}", *RUN]
     status, output = run_until(args, tmp_path, 7, number)
     assert status != 0, output
     before = ledger(tmp_path)
     reached = before["marks"]["step"]  # the last step the killed launch recorded
     assert reached >= 7
+    if number == signal.SIGKILL:
+        ended = time.time()
+        goodput.write_recovery(tmp_path / "g", "crash", {}, "in place", ended - 3, ended - 1, ended)
+        goodput.relaunching(tmp_path / "g")
     resumed = run_training(tmp_path, *RUN)
     checkpoint = int(re.search(r"resumed from \S+/step_(\d+) at step", resumed.stdout).group(1))
     after = ledger(tmp_path)
@@ -53,6 +59,20 @@ def test_a_relaunch_counts_exactly_the_steps_it_lost(tmp_path, number):
     assert line.startswith(f"effective training time {100 * after['effective_training_time']:.1f}%: lost ")
     if number == signal.SIGKILL:
         assert "% to restarts" in line
+        (recovery,) = after["recoveries"]
+        lost = reached - checkpoint
+        assert (recovery["cause"], recovery["action"], recovery["lost_steps"]) == ("crash", "in place", lost)
+        assert recovery["detection_s"] == pytest.approx(2) and recovery["teardown_s"] == pytest.approx(1)
+        assert recovery["load_s"] > 0 and recovery["startup_s"] > 0 and recovery["lost_s"] == after["lost_s"]
+        parts = sum(recovery[part] for part in goodput.RECOVERY_PARTS)
+        assert recovery["cost_s"] == pytest.approx(parts)  # from the failure to the first step, and the lost
+        cost, lost_s = f"{recovery['cost_s']:.0f}", f"{recovery['lost_s']:.0f}"
+        said = rf"; 1 recovery cost {cost} s: detection 2 s, teardown 1 s, .*, lost steps {lost_s} s"
+        said += rf" \({lost} steps\)$"
+        assert re.search(said, line), line
+        assert not (tmp_path / "g" / goodput.RECOVERY).exists()  # recorded once
+    else:
+        assert after["recoveries"] == []
 
 
 def test_auto_interval_is_chosen_by_rank_0_and_followed_by_every_rank(tmp_path):
@@ -191,3 +211,13 @@ def test_a_launch_that_dies_before_its_first_log_window_still_counts(tmp_path):
     after = ledger(tmp_path)
     assert after["launches"] == 2 and after["marks"]["step"] == 2
     assert_adds_up(after)
+
+
+def test_a_damaged_recovery_file_goes_unrecorded_with_a_warning(tmp_path, capsys):
+    """The job's part of a recovery, torn: the launch's ledger says so once and counts its time as ever."""
+    (tmp_path / goodput.RECOVERY).write_text('{"cause": "crash", "failed_at": ')
+    ledger = goodput.Ledger(str(tmp_path), goodput.launch_start())
+    ledger.step_done(1, 0.1)
+    ledger.write()
+    assert json.loads((tmp_path / goodput.LEDGER).read_text())["recoveries"] == []
+    assert f"warning: {tmp_path / goodput.RECOVERY} is unreadable (" in capsys.readouterr().err

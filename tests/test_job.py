@@ -4,6 +4,7 @@ on the nodes it may use, as SLURM does; each phase is a fake launch whose outcom
 tests/test_slurm.py proves the same on a real SLURM."""
 
 import functools
+import io
 import itertools
 import json
 import os
@@ -14,21 +15,24 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO, TINY, launch
 
 from common import suspects
-from run import job, slurm
+from run import benchmark_reports, job, job_launch, slurm
 
 HOSTS = ["n1", "n2", "n3"]
 
 
 class FakeLaunch:
-    """A phase's launch: ends with status once outcome(self) returns one (None: still running)."""
+    """A phase's launch: ends with status once outcome(self) returns one (None: still running). Its stderr,
+    which the job passes on, is the lines said (bytes) before it is started."""
 
-    def __init__(self, outcome, env):
+    def __init__(self, outcome, env, said=b""):
         self.outcome, self.env, self.returncode, self.polls = outcome, env, None, 0
+        self.stderr = io.BytesIO(said)
 
     def poll(self):
         if self.returncode is None:
@@ -39,7 +43,10 @@ class FakeLaunch:
 
 class FakeSlurm:
     """run/slurm.py's Slurm, with SLURM's side kept in memory. phases(script, nodes, launch) gives each
-    launch's exit status on each poll (None: still running)."""
+    launch's exit status on each poll (None: still running). The usable nodes of the job's partition are
+    partition, those of them another job holds busy: by default the job's and a fourth, busy, so that a
+    requeued start is given those of the job's it did not leave out. train.py's options fit a world of W
+    ranks where fits(W)."""
 
     in_job, job_id = True, "42"
 
@@ -53,6 +60,7 @@ class FakeSlurm:
         self.restarts, self.hosts, self.excluded_nodes, self.requeues = 0, list(HOSTS), "", 0
         self.refuse_exclude, self.launches, self.ended = refuse_exclude, [], []
         self.benchmark_check, self.checks = benchmark_check, []
+        self.partition, self.busy, self.fits, self.said = [*HOSTS, "n4"], ["n4"], lambda world: True, {}
 
     def hostnames(self):
         return list(self.hosts)
@@ -78,20 +86,29 @@ class FakeSlurm:
     def time_left_s(self):
         return self.time_left
 
-    def torchrun(self, python, nodes, nproc, max_restarts):
+    def partition_nodes(self):
+        return list(self.partition)
+
+    def torchrun(self, python, nodes, nproc):
         return ["torchrun", f"--nnodes={len(nodes)}", f"--nproc_per_node={nproc}"]
 
     def check(self, node, command, env, container_image):  # train.py's names the run folder, which it makes
         self.checks.append(command[1])
         if command[1] == "benchmark.py":
             return self.benchmark_check
+        if not self.fits(int(env["WORLD_SIZE"])):
+            print(
+                f"error: --global_batch_size does not divide over {env['WORLD_SIZE']} ranks", file=sys.stderr
+            )
+            return 2
         with open(env["CHECKED_JSON"], "w") as file:
             json.dump({"log_folder": self.run_folder}, file)
         return 0
 
     def start(self, nodes, command, env):
         script = command[3]
-        process = FakeLaunch(lambda process: self.phases(script, nodes, process), env)
+        said = self.said.pop(len(self.launches), b"")  # said by launch number: what it printed
+        process = FakeLaunch(lambda process: self.phases(script, nodes, process), env, said)
         if script == "benchmark.py":
             named = dict(arg.split("=", 1) for arg in command if arg.startswith(("--report=", "--outcome=")))
             process.report, process.outcome_path = named["--report"], named["--outcome"]
@@ -144,14 +161,15 @@ def run_job(scheduler, argv=(), clock=None, **knobs):
     statuses = []
     while len(statuses) < 10:
         start = job.Job(knobs, scheduler, list(argv), "python", {})
-        start.poll_s = start.retry_s = 0
+        start.poll_s = start.retry_s = start.beats_s = 0
         start.clock = clock or start.clock
         requeues = scheduler.requeues
         statuses.append(start.run())
         if scheduler.requeues == requeues:
             return statuses
         scheduler.restarts += 1
-        scheduler.hosts = [host for host in HOSTS if host not in scheduler.excluded_nodes.split(",")]
+        gone = [*scheduler.excluded_nodes.split(","), *scheduler.busy]
+        scheduler.hosts = [host for host in scheduler.partition if host not in gone][: len(HOSTS)]
     raise AssertionError(f"the job requeued 10 times: {statuses}")
 
 
@@ -458,14 +476,247 @@ def test_a_hang_blamed_on_a_node_ends_the_step_and_the_node_is_left_out(tmp_path
     scheduler = FakeSlurm(tmp_path, phases)
     assert run_job(scheduler, SKIP_BENCHMARK=1) == [0, 0]
     assert len(scheduler.ended) == 1 and scheduler.excluded_nodes == "n3"
-    assert "a hang blamed a node 15 s ago" in capsys.readouterr().out
+    assert (
+        "a hang's watchdog blamed n3 (hang_rank0 blamed it) 15 s ago, and the launch goes on: ending it"
+        in (capsys.readouterr().out)
+    )
     assert launched(scheduler)[-1] == (1, "train.py", "n1 n2")
 
 
 def test_a_recent_hang_is_left_to_the_watchdogs_of_the_other_ranks(tmp_path):
     blame(tmp_path, "hang_rank1", ["n2"])
-    assert not suspects.hang_blamed(suspects.suspects_folder(tmp_path), job.HANG_GRACE_S)
-    assert not suspects.hang_blamed(tmp_path / "nowhere", job.HANG_GRACE_S)
+    assert not suspects.hang_blamed(suspects.suspects_folder(tmp_path), job_launch.HANG_GRACE_S)
+    assert not suspects.hang_blamed(tmp_path / "nowhere", job_launch.HANG_GRACE_S)
+
+
+def beat(run_folder, process, rank, node, steps, age=0.0):
+    """The heartbeat of a rank of the launch process, as its watchdog thread writes it (run/heartbeats.py),
+    age seconds old."""
+    folder = os.path.join(run_folder, "heartbeats")
+    os.makedirs(folder, exist_ok=True)
+    beat = {"token": str(id(process)), "node": node, "rank": rank, "steps": steps, "time": time.time() - age}
+    with open(os.path.join(folder, f"rank{rank}.json"), "w") as file:
+        json.dump({**beat, "waiting": False, "ended": False}, file)
+
+
+def trains(run_folder, process, nodes, then, silent=()):
+    """A training launch on nodes: every rank beats, having done a step, at its first poll; from its second
+    the ranks of silent beat no more, their last beat 25 s old; then it ends with then (None: never)."""
+    if process.polls == 1:
+        for rank, node in enumerate(nodes):
+            beat(run_folder, process, rank, node, steps=1)
+        return None
+    for rank, node in enumerate(nodes):
+        beat(run_folder, process, rank, node, steps=2, age=25 if node in silent else 0)
+    return then
+
+
+def recovery(run_folder):
+    with open(os.path.join(run_folder, "recovery.json")) as file:
+        return json.load(file)
+
+
+def test_a_crash_on_healthy_nodes_restarts_in_place_until_max_restarts(tmp_path, capsys):
+    """A rank crashes after training began, and nothing blames a node (SKIP_BENCHMARK=1: nothing checks
+    them): the launch starts again on the same nodes, with no requeue, MAX_RESTARTS times; then the job
+    stops in one line."""
+    scheduler = FakeSlurm(tmp_path, lambda script, nodes, process: trains(tmp_path, process, nodes, 1))
+    assert run_job(scheduler, SKIP_BENCHMARK=1, MAX_RESTARTS=2) == [1]
+    assert launched(scheduler) == [(0, "train.py", "n1 n2 n3")] * 3 and scheduler.requeues == 0
+    out, err = capsys.readouterr()
+    assert (
+        "restarting in place on n1 n2 n3 (no check (SKIP_BENCHMARK=1)): restart 2 of at most MAX_RESTARTS=2"
+        in out
+    )
+    assert err.endswith(
+        "error: stopping: training failed (exit 1) with no node to blame, and the MAX_RESTARTS=2 restarts in "
+        "place are used\n"
+    )
+    noted = recovery(tmp_path)  # the job's part of the last recovery, for the next launch's ledger
+    assert (noted["cause"], noted["action"], noted["nodes"]) == ("crash", "in place", {})
+    assert noted["failed_at"] <= noted["detected_at"] <= noted["ended_at"] <= noted["relaunched_at"]
+
+
+def test_a_crash_on_a_node_the_benchmark_then_fails_brings_the_spare_in(tmp_path, capsys):
+    """SPARE_NODES=1 on 3 nodes: training on n1 and n2, n3 ready. A rank crashes; the benchmark of n1 and n2
+    fails n2: training goes on, on n1 and n3, in the same allocation."""
+
+    def phases(script, nodes, process):
+        if script == "benchmark.py":
+            if nodes == ["n1", "n2"]:
+                return failing_benchmark(process, tmp_path, ["n2"])
+            return passing_benchmark(process)
+        return trains(tmp_path, process, nodes, 1 if nodes == ["n1", "n2"] else 0)
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    assert run_job(scheduler, SPARE_NODES=1) == [0]
+    assert launched(scheduler) == [(0, "benchmark.py", "n1 n2 n3"), (0, "train.py", "n1 n2"),
+                                   (0, "benchmark.py", "n1 n2"), (0, "train.py", "n1 n3")]  # fmt: skip
+    assert scheduler.requeues == 0 and list(suspects.read_excluded(tmp_path)[0]) == ["n2"]
+    out = capsys.readouterr().out
+    assert "training on 2 nodes, n3 kept as spare (SPARE_NODES=1)" in out
+    assert "a rank crashed (training exited with status 1, no node named): benchmarking its nodes" in out
+    assert "training on n1 n3, with the spare n3 (0 spares left)" in out
+    assert recovery(tmp_path)["action"] == "spare n3 for n2"
+    # the check had a report of its own, and the next start of the job finds that the last one failed
+    stem = f"logs/benchmark_42_{first_start(scheduler)}"
+    assert (
+        os.path.exists(f"{stem}_2.yaml")
+        and benchmark_reports.last_outcome(Path(f"{stem}.yaml"))["verdict"] == "fail"
+    )
+
+
+def test_a_silent_node_is_ended_and_the_spare_takes_its_place_then_fewer_nodes_go_on(tmp_path, capsys):
+    """SPARE_NODES=1: n2's ranks fall silent while the others beat; the job ends the launch, leaves n2 out
+    and trains on n1 and n3. Then n3 falls silent, and no spare is left: train.py's options fit one node,
+    and training goes on with n1 alone."""
+
+    def phases(script, nodes, process):
+        silent = {"n1 n2": ["n2"], "n1 n3": ["n3"]}.get(" ".join(nodes), [])
+        return trains(tmp_path, process, nodes, None if silent else 0, silent)
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    scheduler.fits = lambda world: world in (1, 2)
+    assert run_job(scheduler, SKIP_BENCHMARK=1, SPARE_NODES=1) == [0]
+    assert launched(scheduler) == [(0, "train.py", "n1 n2"), (0, "train.py", "n1 n3"), (0, "train.py", "n1")]
+    assert len(scheduler.ended) == 2 and scheduler.requeues == 0
+    out = capsys.readouterr().out
+    assert (
+        "a node fell silent: n2 (rank 1 sent no heartbeat for 25 s), and the launch goes on: ending it" in out
+    )
+    assert (
+        "leaving out n3 (why: " in out
+        and "no spare left: going on with n1, as train.py's options fit 1 node" in out
+    )
+    noted = recovery(tmp_path)
+    assert (noted["cause"], noted["nodes"], noted["action"]) == (
+        "silent node",
+        {"n3": "rank 1 sent no heartbeat for 25 s"},
+        "fewer nodes",
+    )
+    assert noted["detected_at"] - noted["failed_at"] == pytest.approx(25, abs=2)
+
+
+def test_with_no_spare_left_and_options_that_do_not_fit_fewer_nodes_the_job_requeues(tmp_path, capsys):
+    """The spare is used and train.py's options fit no fewer nodes: the job requeues without n2 and n3, and
+    starts again on three others of its partition."""
+
+    def phases(script, nodes, process):
+        silent = [node for node in ("n2", "n3") if node in nodes and nodes[0] == "n1"]
+        return trains(tmp_path, process, nodes, None if silent else 0, silent=silent[:1])
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    scheduler.partition, scheduler.busy = ["n1", "n2", "n3", "n4", "n5"], []
+    scheduler.fits = lambda world: world == 2
+    assert run_job(scheduler, SKIP_BENCHMARK=1, SPARE_NODES=1) == [0, 0]
+    assert launched(scheduler) == [
+        (0, "train.py", "n1 n2"),
+        (0, "train.py", "n1 n3"),
+        (1, "train.py", "n1 n4"),
+    ]
+    out, err = capsys.readouterr()
+    assert "train.py's options do not fit 1 node (above): requeueing instead" in out
+    assert "error: --global_batch_size does not divide over 1 ranks" in err  # train.py's own line
+    assert scheduler.excluded_nodes == "n2,n3" and recovery(tmp_path)["action"] == "requeue"
+
+
+def test_where_its_partition_has_no_node_for_a_requeue_the_job_goes_on_with_fewer_or_ends(tmp_path, capsys):
+    """--nodes=3 on a partition of 3, SPARE_NODES=0: n3 falls silent. A requeue without it would ask for 3
+    nodes of the 2 left, and wait for good (SLURM gives a requeued job the node count it was submitted
+    with): the job goes on here with n1 and n2, where train.py's options fit them, and else ends, saying
+    why."""
+
+    def phases(script, nodes, process):
+        return trains(tmp_path, process, nodes, None if "n3" in nodes else 0, silent=["n3"])
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    scheduler.partition = list(HOSTS)
+    assert run_job(scheduler, SKIP_BENCHMARK=1) == [0]
+    assert launched(scheduler) == [(0, "train.py", "n1 n2 n3"), (0, "train.py", "n1 n2")]
+    assert scheduler.requeues == 0 and recovery(tmp_path)["action"] == "fewer nodes"
+    out = capsys.readouterr().out
+    assert (
+        "the job's partition has 2 nodes usable besides those it left out, fewer than the 3 this start" in out
+    )
+    assert "no spare left: going on with n1 n2, as train.py's options fit 2 nodes" in out
+
+    for name in ("excluded_nodes", "recovery.json"):
+        (tmp_path / name).unlink()
+    scheduler = FakeSlurm(tmp_path, phases)
+    scheduler.partition, scheduler.fits = list(HOSTS), lambda world: world == 3
+    assert run_job(scheduler, SKIP_BENCHMARK=1) == [130]  # the status of the launch the job ended
+    assert scheduler.requeues == 0 and len(scheduler.launches) == 1
+    assert capsys.readouterr().err.endswith(
+        "error: stopping: train.py's options do not fit the 2 nodes left (above), and a requeue could not "
+        "start\n"
+    )
+
+
+def test_a_failure_train_py_says_or_that_comes_before_training_is_not_restarted(tmp_path, capsys):
+    """A diverging loss stops train.py on purpose, with its one line 'error: ...': no restart. Nor is a
+    launch that failed before its first step restarted: bad data or memory would fail it again."""
+    scheduler = FakeSlurm(tmp_path, lambda script, nodes, process: trains(tmp_path, process, nodes, 1))
+    scheduler.said = {0: b"error: stopping: 5 non-finite steps in a row from step 12 (lower --lr ...)\n"}
+    assert run_job(scheduler, SKIP_BENCHMARK=1) == [1]
+    assert len(scheduler.launches) == 1
+    assert "error: stopping: 5 non-finite steps in a row" in capsys.readouterr().err  # passed on by the job
+
+    scheduler = FakeSlurm(tmp_path, lambda script, nodes, process: 1)  # no heartbeat: no step done
+    assert run_job(scheduler, SKIP_BENCHMARK=1) == [1]
+    assert len(scheduler.launches) == 1
+    assert "the launch failed before its first step: not restarting it" in capsys.readouterr().err
+
+
+def test_a_node_left_out_inside_the_allocation_stays_out_after_a_requeue_for_the_time_limit(
+    tmp_path, job_signals
+):
+    """n2 falls silent and the spare n3 takes its place; then the time limit comes: the requeued start is
+    not given n2 (ExcNodeList, and the job's comment, set when it was left out)."""
+
+    def phases(script, nodes, process):
+        if scheduler.restarts:
+            return 0
+        if nodes == ["n1", "n3"] and process.polls == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        if os.path.exists(process.env["JOB_STOP_FILE"]):
+            return 75
+        return trains(tmp_path, process, nodes, None, silent=["n2"] if "n2" in nodes else [])
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    assert run_job(scheduler, SKIP_BENCHMARK=1, SPARE_NODES=1) == [0, 0]
+    assert launched(scheduler) == [(0, "train.py", "n1 n2"), (0, "train.py", "n1 n3"), (1, "train.py", "n1")]
+    assert scheduler.excluded_nodes == "n2" and slurm.left_out(scheduler.comment_text) == ["n2"]
+
+
+def test_spares_that_leave_no_node_to_train_on_are_refused_in_one_line(tmp_path):
+    with pytest.raises(
+        job.JobError, match=r"^SPARE_NODES=3 leaves no node to train on: the job has 3 node"
+    ) as refused:
+        run_job(FakeSlurm(tmp_path, None), SPARE_NODES=3)
+    assert refused.value.status == 2
+
+
+def test_a_node_failing_the_benchmark_is_replaced_by_a_spare_before_training(tmp_path, capsys):
+    """SPARE_NODES=1: n2 fails the benchmark of all three nodes; the job leaves it out, benchmarks n1 and n3
+    again, and trains on them, with no requeue."""
+
+    def phases(script, nodes, process):
+        if script == "benchmark.py":
+            return (
+                failing_benchmark(process, tmp_path, ["n2"]) if "n2" in nodes else passing_benchmark(process)
+            )
+        return 0
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    assert run_job(scheduler, SPARE_NODES=1) == [0]
+    assert launched(scheduler) == [(0, "benchmark.py", "n1 n2 n3"), (0, "benchmark.py", "n1 n3"),
+                                   (0, "train.py", "n1 n3")]  # fmt: skip
+    assert scheduler.requeues == 0 and "leaving out n2 (why: " in capsys.readouterr().out
+    # training is pointed to the benchmark that passed, of the nodes it trains on
+    assert (
+        scheduler.launches[-1][3].env["BENCHMARK_REPORT"]
+        == f"logs/benchmark_42_{first_start(scheduler)}_2.yaml"
+    )
 
 
 def test_bad_knobs_are_refused_in_one_line(tmp_path):

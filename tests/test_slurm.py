@@ -1,6 +1,8 @@
-"""The job scripts on a real SLURM: a controller and three slurmd ("nodes" n1, n2, n3) on this one host,
-started by tests/slurm_cluster.sh (needs root; installs Debian's slurm packages when missing). The nodes
-have no GPU, so jobs run CPU processes: 2 per node on two nodes, or 1 per node where a node is left out."""
+"""The job scripts on a real SLURM: a controller and ten slurmd on this one host, started by
+tests/slurm_cluster.sh (needs root; installs Debian's slurm packages when missing), in three partitions:
+debug (n1-n3, the default), spare (n4-n6) and tight (n7-n9), where the two recovery jobs run beside the
+other tests without waiting for their nodes. The nodes have no GPU, so jobs run CPU processes: 2 per node
+on two nodes, or 1 per node."""
 
 import fcntl
 import json
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import BLAMED, launch
+from conftest import launch
 
 REPO = Path(__file__).resolve().parents[1]
 # run as if from a login shell, also when the tests themselves run inside a SLURM job
@@ -51,7 +53,7 @@ def cluster():
         up = subprocess.run(
             ["bash", "tests/slurm_cluster.sh", "up"],
             cwd=REPO,
-            env={**os.environ, "NNODES": "3"},  # two for a job, a third for one that leaves a bad node out
+            env={**os.environ, "NNODES": "9", "PARTITIONS": "debug=n[1-3] spare=n[4-6] tight=n[7-9]"},
             capture_output=True,
             text=True,
         )
@@ -150,12 +152,18 @@ def test_benchmark_only_two_nodes(cluster, tmp_path):
     assert imread(path.with_suffix(".png")).shape == (960, 1280, 4)
 
 
+def launchers(job_id):
+    """The job's torchruns on this host (every "node"), as "pid,pid": srun, whose command line holds
+    torchrun's, runs on the job's first node, and is none of them."""
+    pgrep = ["pgrep", "-d,", "-f", "--", f"^[^ ]*python[^ ]* -m torch.distributed.run .*--rdzv_id={job_id} "]
+    return subprocess.run(pgrep, capture_output=True, text=True).stdout.strip()
+
+
 def training_processes(job_id):
-    """The job's training processes on this host (both "nodes"): the children of its torchruns."""
-    pgrep = ["pgrep", "-d,", "-f", "--", f"--rdzv_id={job_id} "]
-    launchers = subprocess.run(pgrep, capture_output=True, text=True).stdout.strip()
+    """The job's training processes on this host (every "node"): the children of its torchruns."""
+    torchruns = launchers(job_id)
     children = (
-        subprocess.run(["pgrep", "-P", launchers], capture_output=True, text=True).stdout if launchers else ""
+        subprocess.run(["pgrep", "-P", torchruns], capture_output=True, text=True).stdout if torchruns else ""
     )
     return [int(pid) for pid in children.split()]
 
@@ -292,6 +300,8 @@ ON_N1_N2 = r"job {job_id} on n1 n2:|running on n1 n2 alone: this job left out n3
 
 
 def test_a_node_failing_the_benchmark_is_left_out_before_any_training_step(cluster, tmp_path):
+    """n3 fails the benchmark of n1, n2 and n3, the whole partition: a requeue could have no more nodes than
+    the two left, so the job goes on here without it, and benchmarks n1 and n2 again before training."""
     job_id = submit(
         "slurm_submit.sh",
         tmp_path,
@@ -306,12 +316,12 @@ def test_a_node_failing_the_benchmark_is_left_out_before_any_training_step(clust
         BENCHMARK_ARGS=f"--only=cpu --report_dir={tmp_path}",
     )
     fields, output = wait(job_id, tmp_path)
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", output
-    first, requeued = output.split(f"requeueing job {job_id}")
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", output
+    first, again = output.split("benchmarking n1 n2 again, without n3")
     assert "on n1 n2 n3:" in first and "phase 2" not in first and "leaving out n3" in first, output
+    assert "the job's partition has 2 nodes usable besides those it left out" in first, output
     # the two nodes share this machine's cores: CPU figures may differ by more than 10%, which only warns
-    assert re.search(ON_N1_N2.format(job_id=job_id), requeued), output
-    assert re.search(r"verdict: (pass|warn)", requeued), output
+    assert re.search(r"verdict: (pass|warn)", again) and "world_size=2" in again, output
     assert list(excluded_nodes(tmp_path / "logs")) == ["n3"], output
     assert re.match(
         r"benchmark: cpu on node\d \(n3\): REHEARSE_BAD_NODES", excluded_nodes(tmp_path / "logs")["n3"]
@@ -365,59 +375,161 @@ def node_of(pid):
         return dict(v.split(b"=", 1) for v in file.read().split(b"\0") if b"=" in v).get(b"SLURMD_NODENAME")
 
 
-# with slurm_submit.sh's CPU run's learning rate and warm-up, which its arguments do not override
-HEALED = [*TINY, "--global_batch_size=6", "--max_steps=10", "--checkpoint_every=2", "--eval_every=0",
-          "--lr=3e-3", "--warmup_steps=4"]  # fmt: skip
+# The recovery jobs train with these options (and slurm_submit.sh's CPU run's learning rate and warm-up,
+# which their arguments do not override), on 2 nodes of 1 process, before and after each failure: one
+# uninterrupted run on 2 processes gives the losses every resumed run must have (to 1e-5: a run on 3
+# processes sums in another order, and over 60 steps differs by 2e-5).
+RECOVERED = [*TINY, "--global_batch_size=6", "--max_steps=48", "--checkpoint_every=4", "--eval_every=0",
+             "--lr=3e-3", "--warmup_steps=4"]  # fmt: skip
 
 
-def test_a_frozen_node_is_left_out_and_the_run_finishes_on_the_others_with_the_same_losses(cluster, tmp_path):
-    """n3's rank stops (SIGSTOP) after step 4 and never comes back: the other ranks' watchdogs name n3 by its
-    silent heartbeat, the job script ends the step, excludes n3, requeues; the job resumes on n1 and n2
-    (world size 3 -> 2, the same global batch by more accumulation) and its losses are the 3-node run's."""
-    reference = tmp_path / "reference"
-    # the uninterrupted run, on this host, while the job mostly waits for the hang to be found
-    uninterrupted = ThreadPoolExecutor(1).submit(
-        launch, "train.py", [*HEALED, f"--log_dir={reference}", f"--checkpoint_dir={reference}"], nproc=3
-    )
+class Hurt:
+    """wait()'s poll for a recovery job: a training rank on kill_node SIGKILLed once 8 steps are logged (a
+    segfault, an OOM kill); 6 steps after training resumed, every process of the job on freeze_node
+    SIGSTOPped, never to go on (a frozen node). Each failure's time, and the time of the first step logged
+    after training resumed from it."""
+
+    def __init__(self, job_id, folder, kill_node, freeze_node):
+        self.job_id, self.folder, self.kill_node, self.freeze_node = job_id, folder, kill_node, freeze_node
+        self.log_dir, self.failures, self.steps_after, self.stopped = folder / "logs", [], [], []
+        self.resumes = self.logged = 0
+
+    def __call__(self, fields):
+        logged, now = len(metrics(self.log_dir)), time.time()
+        resumes = log(self.folder, self.job_id).count("\nresumed from ")
+        if len(self.steps_after) < len(self.failures):  # a failure training has not resumed from yet
+            if resumes > self.resumes:
+                self.resumes, self.logged = resumes, logged  # resumed: its first step comes next
+            elif self.resumes == len(self.failures) and logged > self.logged:
+                self.steps_after.append(now)
+                self.logged = logged
+        elif not self.failures and logged >= 8:
+            workers = [
+                pid for pid in training_processes(self.job_id) if node_of(pid) == self.kill_node.encode()
+            ]
+            if workers:
+                os.kill(workers[0], signal.SIGKILL)
+                self.failures.append(now)
+        elif len(self.failures) == 1 and logged >= self.logged + 6:
+            launched = [int(pid) for pid in launchers(self.job_id).split(",") if pid]
+            self.stopped = [
+                pid
+                for pid in launched + training_processes(self.job_id)
+                if node_of(pid) == self.freeze_node.encode()
+            ]
+            for pid in self.stopped:
+                os.kill(pid, signal.SIGSTOP)
+            self.failures.append(now)
+
+    def to_next_step(self):
+        """Seconds from each failure to the first step logged after training resumed from it."""
+        return [after - failed for failed, after in zip(self.failures, self.steps_after)]
+
+
+def recovery_job(tmp_path, partition, nodes, kill_node, freeze_node, **knobs):
+    """A job of nodes in its own partition, hurt as Hurt says: (its id, fields and output, Hurt)."""
     job_id = submit(
         "slurm_submit.sh",
         tmp_path,
-        *HEALED,
-        "--hang_minimum_s=10",
-        "--checkpoint_limit_s=12",  # the freeze may come while a checkpoint is written
+        *RECOVERED,
         f"--log_dir={tmp_path}/logs",
         f"--checkpoint_dir={tmp_path}/ckpt",
-        sbatch=["--nodes=2-3"],
+        sbatch=[f"--partition={partition}", f"--nodes={nodes}"],
         NPROC_PER_NODE="1",
-        SKIP_BENCHMARK="1",
+        **knobs,
     )
-    frozen = []
+    hurt = Hurt(job_id, tmp_path, kill_node, freeze_node)
+    fields, output = wait(job_id, tmp_path, timeout=480, on_poll=hurt)
+    return job_id, fields, output, hurt
 
-    def freeze_n3(fields):
-        if not frozen and fields["Restarts"] == "0" and len(metrics(tmp_path / "logs")) >= 4:
-            frozen.extend(pid for pid in training_processes(job_id) if node_of(pid) == b"n3")
-            for pid in frozen:
-                os.kill(pid, signal.SIGSTOP)
 
-    fields, output = wait(job_id, tmp_path, timeout=400, on_poll=freeze_n3)
-    out = uninterrupted.result()
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert len(frozen) == 1, output
-    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", output
-    why = excluded_nodes(tmp_path / "logs")
-    assert list(why) == ["n3"] and re.fullmatch(BLAMED.format(rank=r"\d"), why["n3"]), why
+@pytest.fixture(scope="module")
+def recoveries(cluster, tmp_path_factory):
+    """The two recovery jobs and the uninterrupted run, started together and watched in the background, so
+    that the minutes they mostly wait pass beside the module's other tests: futures of recovery_job's
+    results ("spare", "tight"), and the uninterrupted run's losses by step ("reference")."""
+    spare, tight, reference = (tmp_path_factory.mktemp(name) for name in ("spare", "tight", "reference"))
+
+    def uninterrupted():
+        result = launch("train.py", [*RECOVERED, f"--log_dir={reference}", f"--checkpoint_dir={reference}"])
+        assert result.returncode == 0, result.stderr[-3000:]
+        return {r["step"]: r["loss"] for r in metrics(reference) if "loss" in r}
+
+    pool = ThreadPoolExecutor(3)
+    yield {
+        "spare": pool.submit(
+            recovery_job, spare, "spare", 3, "n5", "n5", SPARE_NODES="1",
+            BENCHMARK_ARGS=f"--only=cpu --report_dir={spare}",
+        ),
+        "tight": pool.submit(
+            recovery_job, tight, "tight", 2, "n7", "n8", SPARE_NODES="0", SKIP_BENCHMARK="1"
+        ),
+        "reference": pool.submit(uninterrupted),
+    }  # fmt: skip
+    pool.shutdown(cancel_futures=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def recoveries_start_first(request):
+    """When a recovery test is selected, its jobs start with the module's first test."""
+    if any(item.name.startswith("test_recovery_") for item in request.session.items):
+        request.getfixturevalue("recoveries")
+
+
+def assert_recovered(log_dir, reference, output):
+    """The run completed, and every step it logged (before a failure, redone after a resume, and after) has
+    the loss of the uninterrupted run, to 1e-5. Returns goodput.json."""
+    logged = [(r["step"], r["loss"]) for r in metrics(log_dir) if "loss" in r]
+    assert logged[-1][0] == 48, output
+    assert [loss for _, loss in logged] == pytest.approx([reference[step] for step, _ in logged], rel=1e-5)
+    return goodput(log_dir)
+
+
+def test_recovery_with_a_spare_restarts_in_place_then_swaps_the_spare_in(recoveries):
+    """SPARE_NODES=1 in a job of 3 nodes: training on n4 and n5, n6 kept ready. A rank on n5 SIGKILLed: the
+    benchmark finds n4 and n5 healthy, and training restarts in place. n5 frozen: its heartbeat falls
+    silent, the job ends the launch and trains on n4 and n6. No requeue; the uninterrupted run's losses."""
+    job_id, fields, output, hurt = recoveries["spare"].result()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "0", output
+    assert len(hurt.failures) == 2 and len(hurt.stopped) >= 2, output  # n5's torchrun and its worker
+    assert "training on 2 nodes, n6 kept as spare (SPARE_NODES=1)" in output, output
+    assert "a rank crashed (training exited with status 1, no node named): benchmarking its nodes" in output
+    assert (
+        "restarting in place on n4 n5 (the benchmark passed them): restart 1 of at most MAX_RESTARTS=3"
+        in (output)
+    )
     assert re.search(
-        r"no step for \d+ s on n[12] rank \d.*; waiting for n3 \(" + BLAMED.format(rank=r"\d"), output
+        r"a node fell silent: n5 \(rank \d sent no heartbeat for \d+ s\), and the launch goes", output
+    )
+    assert "training on n4 n6, with the spare n6 (0 spares left)" in output, output
+    print(f"spare: from the kill, then the freeze, to the next step: {hurt.to_next_step()} s")
+    (kill_to_step, freeze_to_step) = hurt.to_next_step()
+    assert kill_to_step <= 120 and freeze_to_step <= 180, (hurt.to_next_step(), output)
+    ledger = assert_recovered(hurt.log_dir, recoveries["reference"].result(), output)
+    print(f"spare: recoveries {json.dumps(ledger['recoveries'])}")
+    crash, silent = ledger["recoveries"]
+    assert (crash["cause"], crash["action"], silent["cause"], silent["action"]) == (
+        "crash", "in place", "silent node", "spare n6 for n5"
+    ), ledger["recoveries"]  # fmt: skip
+    assert silent["detection_s"] <= 60 and list(silent["nodes"]) == ["n5"], silent
+    assert re.search(r"effective training time .*; 2 recoveries cost \d+ s: detection", output), output
+
+
+def test_recovery_without_a_spare_restarts_in_place_then_requeues_without_the_frozen_node(recoveries):
+    """SPARE_NODES=0 in a job of 2 nodes, its partition of 3: a rank on n7 (the rendezvous' host) SIGKILLed,
+    and training restarts in place (SKIP_BENCHMARK=1: with no check); n8 frozen, and the job requeues
+    without it, to resume on n7 and n9 with the uninterrupted run's losses."""
+    job_id, fields, output, hurt = recoveries["tight"].result()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", output
+    assert "restarting in place on n7 n8 (no check (SKIP_BENCHMARK=1)): restart 1 of at most" in output
+    assert re.search(
+        r"a node fell silent: n8 \(rank \d sent no heartbeat for \d+ s\), and the launch goes", output
     )
     first, requeued = output.split(f"requeueing job {job_id}")
-    assert "on n1 n2 n3:" in first and re.search(ON_N1_N2.format(job_id=job_id), requeued), output
-    assert "world_size=2" in requeued, output
-    resumed = int(re.search(r"^resumed from .*step_(\d+) at step", requeued, re.M).group(1))
-    expected = {r["step"]: r["loss"] for r in metrics(reference) if "loss" in r}
-    after = {r["step"]: r["loss"] for r in metrics(tmp_path / "logs") if "loss" in r and r["step"] > resumed}
-    assert sorted(after) == list(range(resumed + 1, 11)), output
-    assert after == pytest.approx({step: expected[step] for step in after}, rel=1e-5)
-    # rank 0's ledger: the hang (--hang_minimum_s, then the job's 15 s before it ends the step) and the
-    # requeue lie between the first launch's last update and the second launch's start
-    ledger = goodput(tmp_path / "logs")
-    assert ledger["launches"] == 2 and ledger["stalled_s"] + ledger["waiting_s"] > 25, ledger
+    assert f"job {job_id} on n7 n9:" in requeued and "world_size=2" in requeued, output
+    print(f"tight: from the kill, then the freeze, to the next step: {hurt.to_next_step()} s")
+    assert hurt.to_next_step()[0] <= 120, (hurt.to_next_step(), output)
+    ledger = assert_recovered(hurt.log_dir, recoveries["reference"].result(), output)
+    print(f"tight: recoveries {json.dumps(ledger['recoveries'])}")
+    crash, silent = ledger["recoveries"]
+    assert (crash["action"], silent["action"]) == ("in place", "requeue"), ledger["recoveries"]
