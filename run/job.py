@@ -302,6 +302,8 @@ class Job(Recovery):
         args = [*rest, f"--report={report}", f"--outcome={outcome_path(report)}"]
         if self.run_folder:
             args.append(f"--suspects_folder={suspects.suspects_folder(self.run_folder)}")
+        if self.train_args:  # the run's own step too, timed on these nodes: its prediction is theirs
+            args.append(f"--train_args={shlex.join(self.train_args)}")
         command = [self.python, "benchmark.py", "--check_only", *args]  # on one node: a typo costs seconds
         checked = self.benchmarks_run > 1  # the same options, checked before this start's first benchmark
         if not checked and self.scheduler.check(
