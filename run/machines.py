@@ -106,19 +106,25 @@ class Report(Datasheet):
         self.measured_collectives = {(c["kind"], c["bytes"], c["group"], c["nodes"]): c["seconds"]
                                      for c in model.get("collectives") or []}  # fmt: skip
         gpus = [g for g in (report.get("gpu") or {}).values() if isinstance(g, dict) and "name" in g]
+        self.overlaps = bool(gpus)
         if gpus:
-            self.overlaps = True
-            rate = min(g["matmul_bf16_TFLOPS"] for g in gpus) * 1e12
-            self.flops_per_s = {torch.bfloat16: rate, torch.float16: rate, torch.float32: rate / 2}
-            self.bytes_per_s = min(g["copy_GB/s"] for g in gpus) * 1e9
+            rate, copy = least(gpus, "matmul_bf16_TFLOPS", 1e12), least(gpus, "copy_GB/s", 1e9)
+            half = rate / 2 if rate else None
+            self.flops_per_s = {torch.bfloat16: rate, torch.float16: rate, torch.float32: half}
         else:  # a CPU: every core's matmul, and the memory copy of all cores, shared by the node's ranks
-            self.overlaps = False
             per_node = report["world"]["ranks_per_node"]
-            cpu = next(iter(v for k, v in report["cpu"].items() if k != "aggregate"))
-            memory = next(iter(v for k, v in report["memory"].items() if k != "aggregate"))
-            rate = cpu["matmul_fp32_GFLOPS"] * 1e9 / per_node
+            rate = least(node_figures(report, "cpu"), "matmul_fp32_GFLOPS", 1e9 / per_node)
+            copy = least(node_figures(report, "memory"), "copy_all_cores_GB/s", 1e9 / per_node)
             self.flops_per_s = {torch.float32: rate, torch.bfloat16: rate, torch.float16: rate}
-            self.bytes_per_s = memory["copy_all_cores_GB/s"] * 1e9 / per_node
+        self.bytes_per_s = copy
+        if not (rate and copy):
+            sections = "gpu" if gpus else "cpu and memory"
+            self.notes.append(f"operations the report has not timed, for want of its {sections} figures")
+
+    def roofline(self, event):
+        if not (self.flops_per_s[torch.float32] and self.bytes_per_s):
+            return 0.0
+        return super().roofline(event)
 
     def collective_seconds(self, kind, size, group, nodes):
         if group <= 1:
@@ -195,6 +201,18 @@ class ThisDevice(Machine):
                 self.notes.append(note)
             return 0.0, "not costed"
         return self.report.collective_seconds(kind, size, group, nodes)
+
+
+def node_figures(report, section):
+    """Each node's figures of a report's section; none where the section was skipped."""
+    figures = report.get(section) or {}
+    return [value for key, value in figures.items() if key != "aggregate" and isinstance(value, dict)]
+
+
+def least(members, key, scale):
+    """The least of the members' figure, times scale; None where no member has it."""
+    values = [member[key] for member in members if isinstance(member.get(key), (int, float))]
+    return min(values) * scale if values else None
 
 
 def tensors_of(event):

@@ -161,12 +161,10 @@ def check_combinations(args, shape):
             f"--sharding=hybrid needs the same number of processes on every node "
             f"({world_size} over nodes of {node_size})"
         )
-    shard_group = group or node_size
-    if args.sharding == "hybrid" and not 1 < shard_group < world_size:
-        what = "shards nothing: use --sharding=ddp" if shard_group == 1 else "is --sharding=full"
+    if args.sharding == "hybrid" and (group or node_size) == 1:
         raise ConfigError(
-            f"--sharding=hybrid over groups of {shard_group} of {world_size} processes {what}, or choose "
-            f"--shard_group_size between 2 and {world_size // 2} that divides {world_size}"
+            f"--sharding=hybrid over groups of one process shards nothing: use --sharding=ddp, or a "
+            f"--shard_group_size of 2 or more that divides the world size ({world_size})"
         )
     if not 0 <= args.min_lr <= args.lr:
         raise ConfigError(f"--min_lr={args.min_lr} must lie between 0 and --lr={args.lr}")

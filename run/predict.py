@@ -6,6 +6,7 @@ inputs and its stream, a layer's compute for its gathered weights, so what commu
 falls out of the order. Predicts one rank's step; the ranks of FSDP do the same work."""
 
 import dataclasses
+import functools
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from common.op_timing import TensorMeta, signature
+from common.op_timing import TensorMeta, resolve, signature
 
 # Operations that compute nothing: views, allocations, the profiler's marks.
 FREE = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
@@ -47,27 +48,24 @@ class Event:
     in_layer: bool = False  # inside a decoder layer's forward, which the ranks time as they train
     phase: str = ""  # forward, recomputation, backward, optimizer (set by phases())
 
-    @property
+    @functools.cached_property
     def key(self):
         return signature(self.name, self.args, self.kwargs)
 
-    @property
+    @functools.cached_property
     def free(self):
-        return self.name in FREE or self.is_view
-
-    @property
-    def is_view(self):
-        op = resolve_overload(self.name)
-        returns = op._schema.returns if op is not None else []
-        return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        """A view, an allocation or a mark: what computes nothing."""
+        return self.name in FREE or is_view(self.name)
 
 
-def resolve_overload(name):
-    namespace, op, overload = name.split(".")
+@functools.cache
+def is_view(name):
+    """Whether every output of the operation is a view of an input."""
     try:
-        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+        returns = resolve(name)._schema.returns
     except AttributeError:
-        return None
+        return False
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 class StepRecorder(TorchDispatchMode):

@@ -2,10 +2,13 @@
 size, so that a CPU answers "does it fit?" with the real model, wrapping and step; FLOPs per token; and the
 nearest change that fits when it does not."""
 
+import contextlib
 import copy
 import dataclasses
 import itertools
+import logging
 import os
+import sys
 import time
 import types
 from collections.abc import Callable
@@ -250,25 +253,47 @@ def print_prediction(args, prediction, machine, world_size, model_flops, peak, s
 
 def trace_own_step(args, model_config, n_params, training, world_size, ranks_per_node, on_gpu):
     """This run's own step, traced on fake tensors before its process group exists (rank 0's, to hold the
-    live step against): its events, with its accumulation."""
+    live step against): its events, with its accumulation; None, with a warning, where it cannot be."""
     accumulation = args.global_batch_size // (args.batch_size * world_size)
-    _, events = simulate(args, model_config, world_size, n_params, training, ranks_per_node, fused=on_gpu)
-    return with_accumulation(events, min(2, accumulation), accumulation)
+    with advisory():
+        _, events = simulate(args, model_config, world_size, n_params, training, ranks_per_node, fused=on_gpu)
+        return with_accumulation(events, min(2, accumulation), accumulation)
+    return None
 
 
 def predict_own_step(args, events, device, world_size, model_flops):
     """This run's step on its own device, each distinct operation timed there now, and collectives at the
     figures of the job's benchmark report ($BENCHMARK_REPORT, or --benchmark_report): a LivePrediction."""
     started = time.perf_counter()
-    path = os.environ.get("BENCHMARK_REPORT") or args.benchmark_report
-    report = Report(path, read_report(path)) if path else None
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    machine = ThisDevice(device, processes_here(report, local), report)
-    peak = datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    prediction = print_prediction(
-        args, play(events, machine), machine, world_size, model_flops, peak, started
-    )
-    return LivePrediction(prediction, prediction.layer_forward_s)
+    with advisory():
+        path = os.environ.get("BENCHMARK_REPORT") or args.benchmark_report
+        report = Report(path, read_report(path)) if path else None
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        machine = ThisDevice(device, processes_here(report, local), report)
+        peak = datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        prediction = print_prediction(
+            args, play(events, machine), machine, world_size, model_flops, peak, started
+        )
+        return LivePrediction(prediction, prediction.layer_forward_s)
+    return None
+
+
+@contextlib.contextmanager
+def advisory():
+    """A training run's prediction is advice: whatever stops it (an operation fake tensors cannot take, a
+    report that is not one) is one warning, and training goes on without it. Fake tensors log the failure of
+    an operation with its whole traceback; that is held back too."""
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_tensor_log.level
+    fake_tensor_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - any failure of the prediction leaves the run as it was
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"warning: no prediction of this run's step ({first[:200]}); training goes on", file=sys.stderr,
+              flush=True)  # fmt: skip
+    finally:
+        fake_tensor_log.setLevel(level)
 
 
 def choose_on_this_device(args, model_config, n_params, training, rank_device):

@@ -54,6 +54,7 @@ TINY_LLAMA = [
     "--log_every=1",
     "--max_steps=6",
     "--curves=False",
+    "--predict=False",
 ]
 
 

@@ -409,10 +409,10 @@ def test_a_heartbeat_that_cannot_be_written_is_said_once_and_not_left_stale(smal
     disk = small_disks(1)
     beats = heartbeats.Heartbeats(str(disk), 0, 1, "launch", threading.get_ident())
     beats.beat(0)
-    assert beats.read()[0]["steps"] == 0
+    assert heartbeats.read_beats(beats.folder, 1, "launch")[0]["steps"] == 0
     fill_disk(disk)
     beats.beat(1)
-    assert beats.read() == {}  # no stale beat at step 0
+    assert heartbeats.read_beats(beats.folder, 1, "launch") == {}  # no stale beat at step 0
     for step in range(2, 6):  # the old beat's page, freed, may take one more
         beats.beat(step)
     path = disk / "heartbeats" / "rank0.json"
@@ -420,7 +420,7 @@ def test_a_heartbeat_that_cannot_be_written_is_said_once_and_not_left_stale(smal
         f"warning: cannot write heartbeat {path} (No space left on device); it is removed rather than left "
         "stale, and training goes on"
     ]
-    latest = beats.read()
+    latest = heartbeats.read_beats(beats.folder, 1, "launch")
     assert latest == {} or latest[0]["steps"] == 5  # the last beat, or none: never an older one
     assert not list(disk.rglob("*.tmp"))
 

@@ -163,9 +163,9 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
         (["--model=tiny", "--log_dir=/proc/logs"], {}, "--log_dir=/proc/logs is not writable"),
         (["--model=tiny", "--data=/proc"], {}, "--data=/proc is on the kernel's proc filesystem"),
         (
-            ["--dry_run", "--sharding=hybrid", "--world_size=8"],
+            ["--dry_run", "--sharding=hybrid", "--world_size=8", "--gpus_per_node=1"],
             {},
-            "--sharding=hybrid over groups of 8 of 8 processes is --sharding=full",
+            "--sharding=hybrid over groups of one process shards nothing: use --sharding=ddp",
         ),
         (["--model=tiny", "--data=hf:/sys"], {}, "--data=hf:/sys is on the kernel's sysfs filesystem"),
         (
