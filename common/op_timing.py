@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 # A timed operation's calls run in batches of BATCH_SECONDS, at least MIN_BATCHES of them and
 # MIN_TIMED_SECONDS in all (at most MAX_BATCHES), after a call that warms it up.
 BATCH_SECONDS = 0.002
-MIN_BATCHES, MAX_BATCHES, MIN_TIMED_SECONDS = 5, 10, 0.02
+MIN_BATCHES, MAX_BATCHES, MIN_TIMED_SECONDS = 3, 10, 0.01
 MAX_CALLS = 4**6
 # More than the last-level cache of a CPU (tens of MB) or a GPU's L2 (50 MB on an H100).
 CACHE_BYTES = {"cpu": 128 << 20, "cuda": 256 << 20}
