@@ -13,6 +13,8 @@ from checks.collectives import collective_call, collective_seconds
 from checks.world import World
 from common.op_timing import describe, time_operation
 
+# A step's collectives are few and small beside a sweep's: each is timed at least this long, even --quick.
+MIN_WARMUP, MIN_ITERS = 3, 10
 # nccl-tests' names of the collectives the step issues.
 SWEEP_NAMES = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce",
                "broadcast": "broadcast"}  # fmt: skip
@@ -69,7 +71,8 @@ def model_section(world: World, cfg: dict, step) -> dict:
             continue
         group = group_of(world, group_size, nodes)
         call = collective_call(SWEEP_NAMES[kind], size, group_size, world.device, group)
-        seconds = collective_seconds(call, world, group, cfg["collective_warmup"], cfg["collective_iters"])
+        warmup, iters = max(cfg["collective_warmup"], MIN_WARMUP), max(cfg["collective_iters"], MIN_ITERS)
+        seconds = collective_seconds(call, world, group, warmup, iters)
         slowest = torch.tensor([seconds], device=world.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step waits for its slowest rank
         measured.append({"kind": kind, "bytes": size, "group": group_size, "nodes": nodes,
