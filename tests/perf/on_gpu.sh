@@ -9,10 +9,11 @@
 #    tokens/s, MFU and max_memory_allocated beside the dry run's simulated peak;
 # 2. a two-step --profile_steps trace of the first run, summarised by tests/perf/trace_summary.py;
 # 3. benchmark.py's GPU section, and a plain loop of bf16 torch.mm at 8192^3 and 2048x2048x13312;
-# 4. tests/perf/bench_step.py at gpt2-xl with compile and bf16: train_step beside a plain loop.
+# 4. gpt2-xl at seq 1024 on dummy data, the same figures as 1.
+# Each training run predicts its own step (its operations timed on the GPU) and logs its steps against that.
 #
 # OUTDIR gets at most 8 small files: figures.txt (every figure, in order), log.txt (each step's output),
-# and the same figures as JSON: run_<name>.json, trace.json, matmul.json, bench_step.json, benchmark.yaml. A step that fails or runs out of its
+# and the same figures as JSON: run_<name>.json, trace.json, matmul.json, benchmark.yaml. A step that fails or runs out of its
 # time says so in one line and the next one runs. Python: $PYTHON, else python3 (.venv's for --cpu-smoke).
 set -uo pipefail
 
@@ -36,13 +37,13 @@ if ((SMOKE)); then
     BATCH=2 MODEL=(--model=tiny --seq_length=64 --compile=False --mixed_precision=fp32)
     STEPS=8 OFFLOAD_STEPS=8 PROFILE=4,5 TRAIN_LIMIT=120
     MATMUL=(--shapes=256x256x256,128x128x512 --seconds=1)
-    BENCH_STEP=(--model=tiny --seq_length=64 --batch_size=2 --steps=3 --rounds=1 --warmup=1)
+    XL_BATCH=2 XL_MODEL=("${MODEL[@]}") XL_STEPS=8 XL_LIMIT=60
 else
     PY=${PYTHON:-python3}
     BATCH=8 MODEL=(--model=4b --seq_length=2048)
     STEPS=30 OFFLOAD_STEPS=12 PROFILE=20,21 TRAIN_LIMIT=160
     MATMUL=(--seconds=10)
-    BENCH_STEP=(--model=gpt2-xl --seq_length=1024 --batch_size=4 --compile --bf16 --steps=8 --rounds=2)
+    XL_BATCH=16 XL_MODEL=(--model=gpt2-xl --seq_length=1024) XL_STEPS=25 XL_LIMIT=120
 fi
 
 # What is importable decides what runs: one line for what is missing, never a traceback.
@@ -63,9 +64,10 @@ if ((!SMOKE && GPU_GB == 0)); then
 fi
 cd "$REPO" || exit 1
 
-# Figures of `python train.py --dry_run --world_size=1 --seq_length=2048` at batch 8 (torch 2.13, which the
+# Figures of `python train.py --dry_run --world_size=1 --seq_length=2048` at batch 8 (gpt2-xl: 1024, batch 16,
+# no checkpointing; torch 2.13, which the
 # GPU image lacks; run beforehand on CPU): the simulated peak to hold max_memory_allocated against.
-declare -A SIMULATED_GB=([op]=98.8 [full]=72.5 [op_offload]=34.6)
+declare -A SIMULATED_GB=([op]=98.8 [full]=72.5 [op_offload]=34.6 [gpt2-xl]=90.5)
 ((SMOKE)) && SIMULATED_GB=()
 
 # Trains until step $steps is logged, then kills the run: the 4b's final checkpoint (48 GB) would take
@@ -153,6 +155,7 @@ else
     say "--- 2. no trace was written (see log.txt)"
 fi
 
-step "4. bench_step: train_step beside a plain loop" 150 "$PY" tests/perf/bench_step.py "${BENCH_STEP[@]}" \
-    --json="$OUT/bench_step.json"
+say "--- 4. gpt2-xl"
+BATCH=$XL_BATCH MODEL=("${XL_MODEL[@]}") TRAIN_LIMIT=$XL_LIMIT
+train_run gpt2-xl "$XL_STEPS" --activation_checkpointing=none
 say "--- done in $SECONDS s; files: $(cd "$OUT" && ls | tr '\n' ' ')"

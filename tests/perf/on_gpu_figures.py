@@ -1,6 +1,6 @@
 """One line of figures from a run's metrics.jsonl (logged every step): median step time, tokens/s and MFU
 over the steps after the first (compilation) and outside the profiled ones, and the largest
-max_memory_allocated beside the dry run's simulated peak. Used by tests/perf/on_gpu.sh.
+max_memory_allocated beside the dry run's simulated peak, and the step the run predicted for itself. Used by tests/perf/on_gpu.sh.
 
     python tests/perf/on_gpu_figures.py logs/<run>/metrics.jsonl --name=op --simulated_gb=98.8 \
         --skip_steps=20,21
@@ -18,6 +18,7 @@ def figures(records, skip):
         return {"steps_timed": 0}
     peaks = [r["peak_mem_GB"] for r in records if r.get("peak_mem_GB") is not None]
     mfus = [r["mfu"] for r in timed if r.get("mfu") is not None]
+    predicted = [r["predicted_step_s"] for r in records if r.get("predicted_step_s")]
     return {
         "steps_timed": len(timed),
         "last_step": records[-1]["step"],
@@ -25,6 +26,7 @@ def figures(records, skip):
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "mfu": statistics.median(mfus) if mfus else None,
         "max_memory_allocated_GB": max(peaks) if peaks else None,
+        "predicted_step_s": predicted[-1] if predicted else None,
         "first_loss": records[0]["loss"],
         "last_loss": records[-1]["loss"],
     }
@@ -51,9 +53,12 @@ def main():
         mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"
         real = result["max_memory_allocated_GB"]
         memory = f"{real:.1f} GB" if real is not None else "n/a (no GPU)"
+        predicted = result["predicted_step_s"]
+        against = (f"predicted {predicted:.3f} s ({(predicted - result['step_time_s']) / result['step_time_s']:+.1%})"
+                   if predicted else "no prediction")  # fmt: skip
         print(
             f"{args.name}: {result['steps_timed']} steps timed (to step {result['last_step']}), median step "
-            f"{result['step_time_s']:.3f} s, {result['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
+            f"{result['step_time_s']:.3f} s ({against}), {result['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
             f"max_memory_allocated {memory} (dry run {args.simulated_gb or 'n/a'} GB), "
             f"loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}"
         )
