@@ -64,9 +64,9 @@ if ((!SMOKE && GPU_GB == 0)); then
 fi
 cd "$REPO" || exit 1
 
-# Figures of `python train.py --dry_run --world_size=1 --seq_length=2048` at batch 8 (gpt2-xl: 1024, batch 16,
-# no checkpointing; torch 2.13, which the
-# GPU image lacks; run beforehand on CPU): the simulated peak to hold max_memory_allocated against.
+# Figures of `python train.py --dry_run --world_size=1 --seq_length=2048` at batch 8 (gpt2-xl: seq 1024, batch
+# 16, no checkpointing), run beforehand on CPU with torch 2.13, which the GPU image lacks: the simulated peak
+# to hold max_memory_allocated against.
 declare -A SIMULATED_GB=([op]=98.8 [full]=72.5 [op_offload]=34.6 [gpt2-xl]=90.5)
 ((SMOKE)) && SIMULATED_GB=()
 
