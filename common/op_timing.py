@@ -4,6 +4,7 @@ dtypes and strides, warmed up, then timed in a sustained loop. The dry run times
 on; the benchmark (checks/model_timing.py) on every GPU of the cluster, where the job will train."""
 
 import dataclasses
+import functools
 import hashlib
 import time
 
@@ -18,6 +19,9 @@ MAX_CALLS = 4**6
 # More than the last-level cache of a CPU (tens of MB) or a GPU's L2 (50 MB on an H100).
 CACHE_BYTES = {"cpu": 128 << 20, "cuda": 256 << 20}
 MAX_COPIES = 64
+# A step traced on a CPU records CPU flash attention: what a GPU runs in its place is timed there instead.
+CPU_ATTENTION = {"aten._scaled_dot_product_flash_attention_for_cpu.default": "forward",
+                 "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": "backward"}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,18 +87,17 @@ def time_operation(name, args, kwargs, device):
     over copies of the arguments that together outgrow the caches, so that each reads its inputs from
     memory, as the step's operations do."""
     try:
-        op = resolve(name)
         size = sum(leaf.bytes for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, TensorMeta))
         copies = min(MAX_COPIES, max(1, -(-CACHE_BYTES[device.type] // max(size, 1))))
         arguments = [tuple(tree_map(lambda v: materialize(v, device), x) for x in (args, kwargs))
                      for _ in range(copies)]  # fmt: skip
+        replays = [replay(name, *copy, device) for copy in arguments]
 
         def batch(calls):
             synchronize(device)
             started = time.perf_counter()
             for call in range(calls):
-                real_args, real_kwargs = arguments[call % copies]
-                op(*real_args, **real_kwargs)
+                replays[call % copies]()
             synchronize(device)
             return time.perf_counter() - started
 
@@ -109,6 +112,28 @@ def time_operation(name, args, kwargs, device):
         return min(batches) / calls
     except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, NotImplementedError):
         return None
+
+
+def replay(name, args, kwargs, device):
+    """One call of the operation on these tensors, as the device runs it. A step traced on a CPU (fake tensors
+    run the CPU's kernels) records CPU flash attention, which a GPU runs as its own attention, forward or
+    backward alone; and layer norm's statistics in the input's dtype, which a GPU keeps in fp32."""
+    if device.type == "cuda" and name in CPU_ATTENTION:
+        backward = CPU_ATTENTION[name] == "backward"
+        query, key, value = args[1:4] if backward else args[:3]
+        causal = args[7] if backward else (args[4] if len(args) > 4 else kwargs.get("is_causal", False))
+        attend = functools.partial(torch.nn.functional.scaled_dot_product_attention, is_causal=causal,
+                                   attn_mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"))  # fmt: skip
+        if not backward:
+            return lambda: attend(query, key, value)
+        inputs = tuple(tensor.requires_grad_() for tensor in (query, key, value))
+        with torch.enable_grad():
+            out = attend(*inputs)
+        return lambda: torch.autograd.grad(out, inputs, args[0], retain_graph=True)
+    if device.type == "cuda" and name == "aten.native_layer_norm_backward.default":
+        args = (*args[:3], args[3].float(), args[4].float(), *args[5:])
+    op = resolve(name)
+    return lambda: op(*args, **kwargs)
 
 
 def materialize(value, device):

@@ -14,7 +14,7 @@ import time
 import torch
 
 from common.datasheet import datasheet
-from common.op_timing import time_operation
+from common.op_timing import TensorMeta, time_operation
 
 # Of a datasheet's dense peak, what a GPU sustains: the best bf16 matmul the MAMF finder reaches on an H100
 # SXM (794.5 of 989.4 TFLOP/s) and a STREAM copy (2.90 of 3.35 TB/s): docs/PERFORMANCE.md, "Predicting".
@@ -187,10 +187,18 @@ class ThisDevice(Machine):
         return super().seconds(event)
 
     def roofline(self, event):
-        """An operation that cannot be replayed alone: one of FSDP's copies, small beside the rest."""
+        """An operation that cannot be replayed alone (one of FSDP's copies, small beside the rest): its bytes
+        at the speed of a large copy on this device."""
         if self.report is not None:
             return self.report.roofline(event)
-        return event.bytes / 10e9
+        return event.bytes / self.copy_bytes_per_s
+
+    @functools.cached_property
+    def copy_bytes_per_s(self):
+        elements = 1 << 25  # 64 MB of bf16 each way: past the caches
+        vector = TensorMeta((elements,), (1,), torch.bfloat16)
+        seconds = time_operation("aten.copy_.default", (vector, vector), {}, self.device)
+        return 2 * vector.bytes / seconds
 
     def collective_seconds(self, kind, size, group, nodes):
         if group <= 1:

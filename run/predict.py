@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from common.op_timing import TensorMeta, resolve, signature
+from common.op_timing import CPU_ATTENTION, TensorMeta, resolve, signature
 
 # Operations that compute nothing: views, allocations, the profiler's marks.
 FREE = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
@@ -25,9 +25,6 @@ COLLECTIVES = {"allgather": "all-gather", "all_gather": "all-gather", "reduce_sc
                "allreduce": "all-reduce", "all_reduce": "all-reduce", "broadcast": "broadcast"}  # fmt: skip
 # FSDP2 copies into its all-gather buffer and its reduce-scatter buffer on the collectives' streams.
 COMM_STREAM_COPIES = {"fsdp.all_gather_copy_in.default", "fsdp.chunk_cat.default"}
-# CPU flash attention has no entry in the FLOP counter's registry; its shapes are those of the CUDA kernels.
-CPU_ATTENTION = {"aten._scaled_dot_product_flash_attention_for_cpu.default": "forward",
-                 "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": "backward"}  # fmt: skip
 HOST_SYNC = {"aten._local_scalar_dense.default"}  # the host waits for the device: .item(), .tolist()
 
 
@@ -143,7 +140,8 @@ def tensor_bytes(value):
 
 
 def operation_flops(func, args, kwargs, out):
-    """FLOPs as torch's FLOP counter counts them; CPU flash attention as its CUDA twin."""
+    """FLOPs as torch's FLOP counter counts them; CPU flash attention (not in its registry) as its CUDA twin,
+    whose shapes are the same."""
     shapes = [tuple(leaf.shape) for leaf in args[:4] if isinstance(leaf, torch.Tensor)]
     if CPU_ATTENTION.get(str(func)) == "forward":
         return sdpa_flop_count(*shapes[:3])

@@ -5,12 +5,15 @@ says the prediction and the plan. (test_diagnose.py holds a training run's live 
 import copy
 import re
 import sys
+import types
 
 import pytest
+import torch
 from conftest import SIMULATES, parse_options, validated
 
 import train as train_script
 from common.errors import ConfigError
+from common.op_timing import CPU_ATTENTION, replay, resolve
 from run import plan, simulation
 from run.machines import Report
 from run.predict import play
@@ -118,3 +121,29 @@ def test_auto_options_are_refused_where_they_make_no_sense():
         parse_options(["--model=tiny", "--batch_size=fast"])
     with pytest.raises(ConfigError, match="--shard_group_size=3 needs --sharding=hybrid"):
         validated(copy.copy(parse_options(["--model=tiny", "--dry_run", "--shard_group_size=3"])))
+
+
+@SIMULATES
+def test_cpu_flash_attention_replays_as_the_gpu_runs_it_with_the_same_results(step):
+    """A step traced on a CPU records CPU flash attention, which a GPU cannot run: there it is replayed as
+    the GPU's own attention, forward or backward alone, again and again. Here the replay's results are held
+    against the CPU kernels' own on random tensors of the step's shapes."""
+    as_on_gpu = types.SimpleNamespace(type="cuda")  # replay() reads the device's type; the tensors stay here
+    forward = next(event for event in step if CPU_ATTENTION.get(event.name) == "forward")
+    backward = next(event for event in step if CPU_ATTENTION.get(event.name) == "backward")
+    query, key, value = (torch.randn(meta.shape, dtype=meta.dtype) for meta in forward.args[:3])
+    mask = forward.kwargs["attn_mask"]  # the trace's mask: a causal one, added to the scores
+    causal = torch.ones(mask.shape[-2:], dtype=torch.bool).tril()
+    kwargs = {"attn_mask": torch.zeros(mask.shape, dtype=mask.dtype).masked_fill(~causal, float("-inf")),
+              "scale": forward.kwargs["scale"]}  # fmt: skip
+    out, logsumexp = resolve(forward.name)(query, key, value, **kwargs)
+    attend = replay(forward.name, (query, key, value), kwargs, as_on_gpu)
+    for _ in range(2):
+        torch.testing.assert_close(attend(), out)
+    grad_out = torch.randn_like(out)
+    inputs = (grad_out, query, key, value, out, logsumexp, 0.0, False)
+    expected = resolve(backward.name)(*inputs, **kwargs)
+    gradients = replay(backward.name, inputs, kwargs, as_on_gpu)
+    for _ in range(2):
+        for got, want in zip(gradients(), expected, strict=True):
+            torch.testing.assert_close(got, want)

@@ -1,6 +1,7 @@
 """One line of figures from a run's metrics.jsonl (logged every step): median step time, tokens/s and MFU
-over the steps after the first (compilation) and outside the profiled ones, and the largest
-max_memory_allocated beside the dry run's simulated peak, and the step the run predicted for itself. Used by tests/perf/on_gpu.sh.
+over the steps after the first (compilation) and outside the profiled ones, the step the run predicted for
+itself, and the largest max_memory_allocated beside the dry run's simulated peak.
+Used by tests/perf/on_gpu.sh.
 
     python tests/perf/on_gpu_figures.py logs/<run>/metrics.jsonl --name=op --simulated_gb=98.8 \
         --skip_steps=20,21
@@ -54,8 +55,8 @@ def main():
         real = result["max_memory_allocated_GB"]
         memory = f"{real:.1f} GB" if real is not None else "n/a (no GPU)"
         predicted = result["predicted_step_s"]
-        against = (f"predicted {predicted:.3f} s ({(predicted - result['step_time_s']) / result['step_time_s']:+.1%})"
-                   if predicted else "no prediction")  # fmt: skip
+        error = (predicted - result["step_time_s"]) / result["step_time_s"] if predicted else None
+        against = f"predicted {predicted:.3f} s ({error:+.1%})" if predicted else "no prediction"
         print(
             f"{args.name}: {result['steps_timed']} steps timed (to step {result['last_step']}), median step "
             f"{result['step_time_s']:.3f} s ({against}), {result['tokens_per_s']:,.0f} tokens/s, MFU {mfu}, "
