@@ -167,12 +167,14 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
 
 def traced_model_step(train_args):
     """Rank 0's record of the step train.py would run with these options at this world size, before any
-    process group (the recording needs a fake one): (the options, its distinct operations and collectives)."""
+    process group (the recording needs a fake one): (the options, its distinct operations and collectives);
+    None on the other ranks, and where the step could not be recorded (train.py has said why)."""
     if os.environ.get("RANK", "0") != "0":
         return None
     import train  # the model, its wrapping and its step are train.py's own
 
-    return train_args, *distinct(train.trace_run(shlex.split(train_args)))
+    events = train.trace_run(shlex.split(train_args))
+    return None if events is None else (train_args, *distinct(events))
 
 
 def main(argv=None) -> int:

@@ -51,9 +51,13 @@ def group_of(world: World, size: int, nodes: int):
 
 
 def model_section(world: World, cfg: dict, step) -> dict:
-    """step: rank 0's (train_args, operations, collectives) from distinct(), None on the other ranks."""
+    """step: rank 0's (train_args, operations, collectives) from distinct(), None on the other ranks and
+    where rank 0 could not record the step: the section then says so, and a prediction on this report
+    costs the step with the report's other figures."""
     shared = [step]
     dist.broadcast_object_list(shared, src=0, group=world.cpu_group)
+    if shared[0] is None:
+        return {"skipped": "the step of --train_args could not be recorded (rank 0's warning says why)"}
     train_args, operations, collectives = shared[0]
     local = {key: time_operation(name, args, kwargs, world.device) for key, (name, args, kwargs, _) in
              operations.items()}  # fmt: skip
