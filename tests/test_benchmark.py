@@ -624,6 +624,28 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, capsys, arguments, mes
     assert message.format(tmp=tmp_path) in stderr
 
 
+def test_train_args_that_train_py_refuses_are_one_line_and_exit_2_before_any_measurement(
+    tmp_path, capsys, monkeypatch
+):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    arguments = [
+        "--quick",
+        "--only=cpu",
+        f"--report_dir={tmp_path}",
+        "--train_args=--model=tiny --sharding=hybrid",
+    ]
+    with pytest.raises(SystemExit) as exit_status:
+        benchmark.main(arguments)
+    assert exit_status.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1, stderr
+    assert stderr.startswith(
+        "error: --train_args: --sharding=hybrid over groups of one process shards nothing"
+    )
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a GPU")
 def test_only_gpu_without_a_gpu_is_refused_not_passed(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_status:
