@@ -11,13 +11,11 @@ import torch.distributed as dist
 
 from checks.collectives import collective_call, collective_seconds
 from checks.world import World
+from common.nccl_tests import SWEEP_NAMES
 from common.op_timing import describe, time_operation
 
 # A step's collectives are few and small beside a sweep's: each is timed at least this long, even --quick.
 MIN_WARMUP, MIN_ITERS = 3, 10
-# nccl-tests' names of the collectives the step issues.
-SWEEP_NAMES = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce",
-               "broadcast": "broadcast"}  # fmt: skip
 
 
 def distinct(events):

@@ -14,6 +14,7 @@ import time
 import torch
 
 from common.datasheet import datasheet
+from common.nccl_tests import BUSBW_FACTORS, SWEEP_NAMES
 from common.op_timing import time_operation
 
 # Of a datasheet's dense peak, what a GPU sustains: the best bf16 matmul the MAMF finder reaches on an H100
@@ -24,11 +25,6 @@ COPY_OF_PEAK = 2.90 / 3.35
 # inside a node, one 400 Gb/s NIC per GPU between nodes (46 GB/s each).
 ASSUMED_BUSBW_GBPS = {"intra-node": 360.0, "inter-node": 46.0}
 KERNEL_LAUNCH_S = 5e-6  # a CUDA kernel's launch, on the host, and the least a kernel costs on the device
-# The fraction of the data crossing the slowest link, by kind: nccl-tests' busbw factors.
-BUSBW_FACTORS = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
-                 "reduce-scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}  # fmt: skip
-SWEEP_NAMES = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
-               "broadcast": "broadcast"}  # fmt: skip
 
 
 class Machine:
@@ -89,7 +85,7 @@ class Datasheet(Machine):
         if group <= 1:
             return 0.0, "a group of one"
         busbw = ASSUMED_BUSBW_GBPS["inter-node" if nodes > 1 else "intra-node"] * 1e9
-        return size * BUSBW_FACTORS[kind](group) / busbw, "assumed busbw"
+        return size * BUSBW_FACTORS[SWEEP_NAMES[kind]](group) / busbw, "assumed busbw"
 
 
 class Report(Datasheet):
@@ -143,7 +139,7 @@ class Report(Datasheet):
         busbw = busbws[at - 1] + weight * (busbws[at] - busbws[at - 1])
         if size < sizes[0]:  # below the sweep a collective costs what its smallest did: its latency
             return sweep[0]["time_us"] / 1e6, "report's busbw"
-        return size * BUSBW_FACTORS[kind](group) / busbw, "report's busbw"
+        return size * BUSBW_FACTORS[SWEEP_NAMES[kind]](group) / busbw, "report's busbw"
 
     def sweep(self, kind, group, nodes):
         """The report's rows for a collective of this group: between nodes, the one-rank-per-node sweep for a
