@@ -1,8 +1,8 @@
 """The machine a step is predicted on (run/predict.py): what each operation and collective costs there,
 whether its device runs collectives beside compute, and what the host spends issuing each operation. In
 order of faithfulness: a benchmark report's own timings of this model's operations and collectives
-(benchmark.py --model, which the job runs on its nodes); this device, each distinct operation timed now; a
-report's figures (matmul rate, memory bandwidth, busbw per collective and message size); a GPU's
+(benchmark.py --train_args, which the job runs on its nodes); this device, each distinct operation timed
+now; a report's figures (matmul rate, memory bandwidth, busbw per collective and message size); a GPU's
 datasheet."""
 
 import bisect
@@ -18,7 +18,8 @@ from common.nccl_tests import BUSBW_FACTORS, SWEEP_NAMES
 from common.op_timing import time_operation
 
 # Of a datasheet's dense peak, what a GPU sustains: the best bf16 matmul the MAMF finder reaches on an H100
-# SXM (794.5 of 989.4 TFLOP/s) and a STREAM copy (2.90 of 3.35 TB/s): docs/PERFORMANCE.md, "Predicting".
+# SXM (794.5 of 989.4 TFLOP/s; docs/BENCHMARK_FEATURES.md, "gpu: each GPU", its matmul shapes) and a STREAM
+# copy (2.90 of 3.35 TB/s).
 MAMF_OF_PEAK = 794.5 / 989.4
 COPY_OF_PEAK = 2.90 / 3.35
 # Without a report, the collectives of a GPU node: NVLink 4 ring busbw of 8 H100s (nccl-tests, NVLS off)
@@ -90,7 +91,7 @@ class Datasheet(Machine):
 
 class Report(Datasheet):
     """A cluster's benchmark report: its own timings of this model's operations and collectives where it has
-    them (benchmark.py --model), else its figures: the GPUs' bf16 matmul rate and memory copy, each
+    them (benchmark.py --train_args), else its figures: the GPUs' bf16 matmul rate and memory copy, each
     collective's busbw at the message size, inside a node and between nodes; a CPU report's matmul and
     memory figures. path: the report's YAML file, report: its content."""
 
