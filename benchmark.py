@@ -49,6 +49,7 @@ from checks.report import cluster_report, write_reports
 from checks.storage import storage_section
 from checks.verdicts import MIN_STORAGE_GBPS
 from checks.world import MODES, SECTIONS, World, start_world
+from common.errors import ConfigError, report_config_error
 from common.node import node_name
 
 
@@ -167,12 +168,16 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
 
 def traced_model_step(train_args):
     """Rank 0's record of the step train.py would run with these options at this world size, before any
-    process group (the recording needs a fake one): (the options, its distinct operations and collectives)."""
-    if os.environ.get("RANK", "0") != "0":
-        return None
+    process group (the recording needs a fake one): (the options, its distinct operations and collectives);
+    None on the other ranks, and where the step could not be recorded (train.py has said why). Options
+    train.py refuses are refused here, before anything is measured: every rank checks them, one says why."""
     import train  # the model, its wrapping and its step are train.py's own
 
-    return train_args, *distinct(train.trace_run(shlex.split(train_args)))
+    try:
+        events = train.trace_run(shlex.split(train_args))
+    except ConfigError as error:
+        report_config_error(ConfigError(f"--train_args: {error}", error.per_node))
+    return None if events is None else (train_args, *distinct(events))
 
 
 def main(argv=None) -> int:

@@ -291,9 +291,13 @@ def choose_auto(args, model_config, meta_model):
 
 def trace_run(argv):
     """The events of the step a training run with these options would take (run/predict.py), recorded as
-    main() builds it, before any process group: for benchmark.py --train_args to time on the cluster."""
+    main() builds it, before any process group: for benchmark.py --train_args to time on the cluster. Every
+    rank checks the options (a ConfigError, as main() would refuse them); rank 0 records, the others get
+    None."""
     args = parse_args(argv, constants_of(sys.modules[__name__]))
     shape = complete_and_check(args)
+    if os.environ.get("RANK", "0") != "0":
+        return None
     tokenizer = load_tokenizer(args)
     never_packed_sequences()
     model_config = build_model_config(shape, tokenizer, args.vocab_size)

@@ -11,13 +11,11 @@ import torch.distributed as dist
 
 from checks.collectives import collective_call, collective_seconds
 from checks.world import World
+from common.nccl_tests import SWEEP_NAMES
 from common.op_timing import describe, time_operation
 
 # A step's collectives are few and small beside a sweep's: each is timed at least this long, even --quick.
 MIN_WARMUP, MIN_ITERS = 3, 10
-# nccl-tests' names of the collectives the step issues.
-SWEEP_NAMES = {"all-gather": "all_gather", "reduce-scatter": "reduce_scatter", "all-reduce": "all_reduce",
-               "broadcast": "broadcast"}  # fmt: skip
 
 
 def distinct(events):
@@ -51,9 +49,13 @@ def group_of(world: World, size: int, nodes: int):
 
 
 def model_section(world: World, cfg: dict, step) -> dict:
-    """step: rank 0's (train_args, operations, collectives) from distinct(), None on the other ranks."""
+    """step: rank 0's (train_args, operations, collectives) from distinct(), None on the other ranks and
+    where rank 0 could not record the step: the section then says so, and a prediction on this report
+    costs the step with the report's other figures."""
     shared = [step]
     dist.broadcast_object_list(shared, src=0, group=world.cpu_group)
+    if shared[0] is None:
+        return {"skipped": "the step of --train_args could not be recorded (rank 0's warning says why)"}
     train_args, operations, collectives = shared[0]
     local = {key: time_operation(name, args, kwargs, world.device) for key, (name, args, kwargs, _) in
              operations.items()}  # fmt: skip

@@ -8,20 +8,12 @@ import time
 
 import torch
 
+from common.nccl_tests import BUSBW_FACTORS
+
 GB = 1e9
 MiB = 1 << 20
 CPU_DEVICE = torch.device("cpu")
 
-
-# nccl-tests' bus-bandwidth factors (doc/PERFORMANCE.md there): the fraction of the data that
-# crosses the slowest link, so busbw is comparable to link speed whatever the rank count.
-BUSBW_FACTORS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-}
 STREAM_ARRAYS_MOVED = {"copy": 2, "triad": 3}  # b = a; a = b + s*c
 
 

@@ -8,10 +8,11 @@ verdict back out of its text.
 import math
 import statistics
 
-from checks.timing import BUSBW_FACTORS, MiB
+from checks.timing import MiB
 from checks.world import SECTIONS
 from common import stragglers
 from common.datasheet import datasheet
+from common.nccl_tests import BUSBW_FACTORS
 
 # Verdict thresholds. A member more than stragglers.MARGIN below the median of its peers is
 # flagged (a fail for GPUs and node pairs, a warn for CPU and host-memory figures); a GPU below

@@ -1,8 +1,8 @@
 """The machine a step is predicted on (run/predict.py): what each operation and collective costs there,
 whether its device runs collectives beside compute, and what the host spends issuing each operation. In
 order of faithfulness: a benchmark report's own timings of this model's operations and collectives
-(benchmark.py --model, which the job runs on its nodes); this device, each distinct operation timed now; a
-report's figures (matmul rate, memory bandwidth, busbw per collective and message size); a GPU's
+(benchmark.py --train_args, which the job runs on its nodes); this device, each distinct operation timed
+now; a report's figures (matmul rate, memory bandwidth, busbw per collective and message size); a GPU's
 datasheet."""
 
 import bisect
@@ -14,21 +14,18 @@ import time
 import torch
 
 from common.datasheet import datasheet
+from common.nccl_tests import BUSBW_FACTORS, SWEEP_NAMES
 from common.op_timing import TensorMeta, time_operation
 
 # Of a datasheet's dense peak, what a GPU sustains: the best bf16 matmul the MAMF finder reaches on an H100
-# SXM (794.5 of 989.4 TFLOP/s) and a STREAM copy (2.90 of 3.35 TB/s): docs/PERFORMANCE.md, "Predicting".
+# SXM (794.5 of 989.4 TFLOP/s; docs/BENCHMARK_FEATURES.md, "gpu: each GPU", its matmul shapes) and a STREAM
+# copy (2.90 of 3.35 TB/s).
 MAMF_OF_PEAK = 794.5 / 989.4
 COPY_OF_PEAK = 2.90 / 3.35
 # Without a report, the collectives of a GPU node: NVLink 4 ring busbw of 8 H100s (nccl-tests, NVLS off)
 # inside a node, one 400 Gb/s NIC per GPU between nodes (46 GB/s each).
 ASSUMED_BUSBW_GBPS = {"intra-node": 360.0, "inter-node": 46.0}
 KERNEL_LAUNCH_S = 5e-6  # a CUDA kernel's launch, on the host, and the least a kernel costs on the device
-# The fraction of the data crossing the slowest link, by kind: nccl-tests' busbw factors.
-BUSBW_FACTORS = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
-                 "reduce-scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}  # fmt: skip
-SWEEP_NAMES = {"all-reduce": "all_reduce", "all-gather": "all_gather", "reduce-scatter": "reduce_scatter",
-               "broadcast": "broadcast"}  # fmt: skip
 
 
 class Machine:
@@ -89,12 +86,12 @@ class Datasheet(Machine):
         if group <= 1:
             return 0.0, "a group of one"
         busbw = ASSUMED_BUSBW_GBPS["inter-node" if nodes > 1 else "intra-node"] * 1e9
-        return size * BUSBW_FACTORS[kind](group) / busbw, "assumed busbw"
+        return size * BUSBW_FACTORS[SWEEP_NAMES[kind]](group) / busbw, "assumed busbw"
 
 
 class Report(Datasheet):
     """A cluster's benchmark report: its own timings of this model's operations and collectives where it has
-    them (benchmark.py --model), else its figures: the GPUs' bf16 matmul rate and memory copy, each
+    them (benchmark.py --train_args), else its figures: the GPUs' bf16 matmul rate and memory copy, each
     collective's busbw at the message size, inside a node and between nodes; a CPU report's matmul and
     memory figures. path: the report's YAML file, report: its content."""
 
@@ -143,7 +140,7 @@ class Report(Datasheet):
         busbw = busbws[at - 1] + weight * (busbws[at] - busbws[at - 1])
         if size < sizes[0]:  # below the sweep a collective costs what its smallest did: its latency
             return sweep[0]["time_us"] / 1e6, "report's busbw"
-        return size * BUSBW_FACTORS[kind](group) / busbw, "report's busbw"
+        return size * BUSBW_FACTORS[SWEEP_NAMES[kind]](group) / busbw, "report's busbw"
 
     def sweep(self, kind, group, nodes):
         """The report's rows for a collective of this group: between nodes, the one-rank-per-node sweep for a

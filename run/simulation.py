@@ -79,7 +79,8 @@ def simulate_step(args, model_config, world_size, training, ranks_per_node, fuse
     allocate extra once), on fake tensors: peak bytes per GPU by category, and the step's events as one rank
     runs them (run/predict.py). Two micro-steps stand for any accumulation: with gradients reduce-scattered
     every micro-step, the third looks like the second. ranks_per_node: to tell collectives inside a node from
-    those between nodes; fused: AdamW's fused kernels (a GPU's) or its foreach ones."""
+    those between nodes, and a hybrid mesh's shard group where --shard_group_size leaves it to a node's ranks;
+    fused: AdamW's fused kernels (a GPU's) or its foreach ones."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -90,7 +91,7 @@ def simulate_step(args, model_config, world_size, training, ranks_per_node, fuse
     simulated.compile = False  # inductor does not run on fake tensors; eager keeps at least what it keeps
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
-        mesh = device_mesh(simulated, "cpu", world_size, args.gpus_per_node)
+        mesh = device_mesh(simulated, "cpu", world_size, ranks_per_node)
         with FakeTensorMode():
             device = torch.device("cpu")
             model = training.build_model(model_config, simulated, device, mesh)

@@ -20,7 +20,7 @@ import yaml
 
 import benchmark
 from checks import collectives, gpu, host, storage, timing, verdicts, world
-from common import datasheet, stragglers
+from common import datasheet, nccl_tests, stragglers
 from run import job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
     floor_checks = {c["check"]: c for c in report["checks"] if c["check"].startswith("intra-node")}
     assert set(floor_checks) == {"intra-node all_reduce busbw", "intra-node all_gather busbw"}
     assert all(c["status"] == "skip" and "no floor for gloo" in c["value"] for c in floor_checks.values())
-    for op in timing.BUSBW_FACTORS:
+    for op in nccl_tests.BUSBW_FACTORS:
         rows = report["nccl"][op]
         assert [row["size_bytes"] for row in rows] == [65536, 262144, 1048576]
         for row in rows:
@@ -77,7 +77,7 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
             assert row["time_max_rank"] in (0, 1)
             assert row["algbw_GB/s"] == pytest.approx(row["size_bytes"] / row["time_us"] / 1e3, rel=2e-3)
             assert row["busbw_GB/s"] == pytest.approx(
-                row["algbw_GB/s"] * timing.BUSBW_FACTORS[op](2), rel=2e-3
+                row["algbw_GB/s"] * nccl_tests.BUSBW_FACTORS[op](2), rel=2e-3
             )
     (node,) = report["nodes"]
     storage_figures = report["storage"][node]
@@ -162,13 +162,13 @@ def test_two_nodes_measure_links_between_them_and_nvlink_within_each(tmp_path):
     assert 0 < pair["latency_us"] < 1e5 and pair["bandwidth_GB/s"] > 0
     between = report["links"]["one_rank_per_node"]
     assert between["ranks"] == 2 and between["all_reduce"][0]["busbw_GB/s"] > 0
-    assert {row["time_max_rank"] for op in timing.BUSBW_FACTORS for row in between[op]} <= {0, 2}
+    assert {row["time_max_rank"] for op in nccl_tests.BUSBW_FACTORS for row in between[op]} <= {0, 2}
     (first, second) = report["nccl"]["intra_node"]
     assert first.startswith("node0") and second.startswith("node1")
     for node, ranks in ((first, {0, 1}), (second, {2, 3})):
         sweep = report["nccl"]["intra_node"][node]
         assert sweep["ranks"] == 2 and sweep["all_gather"][-1]["busbw_GB/s"] > 0
-        assert {row["time_max_rank"] for op in timing.BUSBW_FACTORS for row in sweep[op]} <= ranks
+        assert {row["time_max_rank"] for op in nccl_tests.BUSBW_FACTORS for row in sweep[op]} <= ranks
     checks = {c["check"]: c for c in report["checks"]}
     # gloo's 1 MiB is far from a bandwidth plateau: --nic_gbps gives a floor, the size is too small to judge
     assert checks["inter-node all_reduce busbw"]["status"] == "skip"
@@ -358,7 +358,7 @@ def sweep(busbw: float, ranks: list, device_name="NVIDIA H100 80GB HBM3", slow_r
     """A sweep as collectives_sweep records it, 1 MiB and 1 GiB per op, at `busbw` for 1 GiB;
     `slow_rank` took 2x the average there."""
     rows = {}
-    for op, factor in timing.BUSBW_FACTORS.items():
+    for op, factor in nccl_tests.BUSBW_FACTORS.items():
         rows[op] = []
         for size, bandwidth in ((1 << 20, busbw / 10), (1 << 30, busbw)):
             time_us = size / (bandwidth / factor(len(ranks))) / 1e3
@@ -622,6 +622,28 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, capsys, arguments, mes
     stderr = capsys.readouterr().err
     assert stderr.count("\n") == 1 and stderr.startswith("error: ")
     assert message.format(tmp=tmp_path) in stderr
+
+
+def test_train_args_that_train_py_refuses_are_one_line_and_exit_2_before_any_measurement(
+    tmp_path, capsys, monkeypatch
+):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    arguments = [
+        "--quick",
+        "--only=cpu",
+        f"--report_dir={tmp_path}",
+        "--train_args=--model=tiny --sharding=hybrid",
+    ]
+    with pytest.raises(SystemExit) as exit_status:
+        benchmark.main(arguments)
+    assert exit_status.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1, stderr
+    assert stderr.startswith(
+        "error: --train_args: --sharding=hybrid over groups of one process shards nothing"
+    )
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a GPU")

@@ -4,6 +4,7 @@ says the prediction and the plan. (test_diagnose.py holds a training run's live 
 
 import copy
 import re
+import shlex
 import sys
 import types
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from conftest import SIMULATES, parse_options, validated
 
+import benchmark
 import train as train_script
 from common.errors import ConfigError
 from common.op_timing import CPU_ATTENTION, replay, resolve
@@ -43,6 +45,26 @@ def step():
     config = train_script.build_model_config(validated(cfg))
     _, events = simulation.simulate(cfg, config, 2, 0, train_script.training_path())
     return events
+
+
+@SIMULATES
+def test_the_benchmark_records_a_hybrid_step_over_two_nodes_of_two_in_its_shard_and_replica_groups(
+    monkeypatch,
+):
+    """benchmark.py --train_args on rank 0 of two nodes of two processes, as torchrun starts it: a hybrid
+    run's step is sharded inside each node (a node's ranks by default) and replicated between the nodes."""
+    for name, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    batch_of_four = [arg for arg in TINY_STEP if not arg.startswith("--global_batch_size")]
+    train_args = shlex.join(
+        [*batch_of_four, "--global_batch_size=16", "--sharding=hybrid", "--predict=False"]
+    )
+    recorded = benchmark.traced_model_step(train_args)
+    assert recorded is not None, "the step was not recorded"
+    _, operations, collectives = recorded
+    groups = {(kind, group, nodes) for kind, _, group, nodes in collectives}
+    assert {("all-gather", 2, 1), ("reduce-scatter", 2, 1), ("all-reduce", 2, 2)} <= groups
+    assert operations
 
 
 def exposed(prediction):

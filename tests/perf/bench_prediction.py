@@ -1,8 +1,8 @@
 """How far the predicted step (train.py --dry_run, run/predict.py) lies from the measured one, over a grid of
-configurations on this machine's CPU with gloo: three model sizes, one and two processes, and two and three
-"nodes" of one process each (one torchrun agent a node, meeting through c10d rendezvous on this host, as the
-job's srun starts one a node on the test cluster), every sharding mode, checkpointing none/op/full, two
-micro-batch sizes and two sequence lengths.
+configurations on this machine's CPU with gloo: three model sizes, one and two processes, two and three
+"nodes" of one process each and two of two (one torchrun agent a node, meeting through c10d rendezvous on this
+host, as the job's srun starts one a node on the test cluster), every sharding mode, checkpointing
+none/op/full, two micro-batch sizes and two sequence lengths.
 
     python tests/perf/bench_prediction.py                      # the whole grid, about 40 minutes on 2 cores
     python tests/perf/bench_prediction.py --only=0,3 --json=out.json
@@ -75,7 +75,7 @@ def launch(name, script, args, folder, port):
                 "-m",
                 "torch.distributed.run",
                 f"--nnodes={nodes}",
-                "--nproc_per_node=1",
+                f"--nproc_per_node={per_node}",
                 f"--node_rank={node}",
                 "--rdzv_backend=c10d",
                 f"--rdzv_endpoint=127.0.0.1:{port}",
