@@ -154,16 +154,19 @@ def test_cpu_flash_attention_replays_as_the_gpu_runs_it_with_the_same_results(st
     forward = next(event for event in step if CPU_ATTENTION.get(event.name) == "forward")
     backward = next(event for event in step if CPU_ATTENTION.get(event.name) == "backward")
     query, key, value = (torch.randn(meta.shape, dtype=meta.dtype) for meta in forward.args[:3])
-    mask = forward.kwargs["attn_mask"]  # the trace's mask: a causal one, added to the scores
-    causal = torch.ones(mask.shape[-2:], dtype=torch.bool).tril()
-    kwargs = {"attn_mask": torch.zeros(mask.shape, dtype=mask.dtype).masked_fill(~causal, float("-inf")),
-              "scale": forward.kwargs["scale"]}  # fmt: skip
-    out, logsumexp = resolve(forward.name)(query, key, value, **kwargs)
-    attend = replay(forward.name, (query, key, value), kwargs, as_on_gpu)
+    # Causal attention as the trace has it: a mask added to the scores, or is_causal
+    mask, causal = forward.kwargs.get("attn_mask"), len(forward.args) > 4 and forward.args[4]
+    assert (mask is None) == causal
+    kwargs = {"scale": forward.kwargs.get("scale")}
+    if mask is not None:
+        lower = torch.ones(mask.shape[-2:], dtype=torch.bool).tril()
+        kwargs["attn_mask"] = torch.zeros(mask.shape, dtype=mask.dtype).masked_fill(~lower, float("-inf"))
+    out, logsumexp = resolve(forward.name)(query, key, value, 0.0, causal, **kwargs)
+    attend = replay(forward.name, (query, key, value, 0.0, causal), kwargs, as_on_gpu)
     for _ in range(2):
         torch.testing.assert_close(attend(), out)
     grad_out = torch.randn_like(out)
-    inputs = (grad_out, query, key, value, out, logsumexp, 0.0, False)
+    inputs = (grad_out, query, key, value, out, logsumexp, 0.0, causal)
     expected = resolve(backward.name)(*inputs, **kwargs)
     gradients = replay(backward.name, inputs, kwargs, as_on_gpu)
     for _ in range(2):
