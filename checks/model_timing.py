@@ -12,7 +12,7 @@ import torch.distributed as dist
 from checks.collectives import collective_call, collective_seconds
 from checks.world import World
 from common.nccl_tests import SWEEP_NAMES
-from common.op_timing import describe, time_operation
+from common.op_timing import describe, eager_overheads, time_operation
 
 # A step's collectives are few and small beside a sweep's: each is timed at least this long, even --quick.
 MIN_WARMUP, MIN_ITERS = 3, 10
@@ -59,8 +59,10 @@ def model_section(world: World, cfg: dict, step) -> dict:
     train_args, operations, collectives = shared[0]
     local = {key: time_operation(name, args, kwargs, world.device) for key, (name, args, kwargs, _) in
              operations.items()}  # fmt: skip
+    local["eager_overheads_s"] = eager_overheads() if world.device.type == "cpu" else None
     everyone = [None] * world.size
     dist.all_gather_object(everyone, local, group=world.cpu_group)
+    overheads = [rank["eager_overheads_s"] for rank in everyone if rank["eager_overheads_s"]]
     timed = {}
     for key, (name, args, kwargs, calls) in operations.items():
         seconds = [rank[key] for rank in everyone if rank[key] is not None]
@@ -79,4 +81,8 @@ def model_section(world: World, cfg: dict, step) -> dict:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step waits for its slowest rank
         measured.append({"kind": kind, "bytes": size, "group": group_size, "nodes": nodes,
                          "seconds": slowest.item(), "calls": calls})  # fmt: skip
-    return {"train_args": train_args, "world_size": world.size, "operations": timed, "collectives": measured}
+    section = {"train_args": train_args, "world_size": world.size, "operations": timed,
+               "collectives": measured}  # fmt: skip
+    if overheads:  # a CPU's eager step: what each operation costs beyond its kernel (run/machines.py)
+        section["eager_overheads_s"] = [statistics.median(one[part] for one in overheads) for part in (0, 1)]
+    return section

@@ -9,6 +9,7 @@ import hashlib
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 # A timed operation's calls run in batches of BATCH_SECONDS, at least MIN_BATCHES of them and
@@ -147,3 +148,44 @@ def materialize(value, device):
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def eager_overheads():
+    """(framework, dispatch): this host's seconds per operation of an eager training step beyond the
+    kernel, and of dispatching one small operation alone. framework: Python, modules, autograd and the
+    dispatcher, from the forward and backward of a small model whose kernels cost next to nothing, over the
+    operations the dispatcher sees (views among them, as in a recorded step). dispatch: what a replayed
+    operation's own timing already holds of it. Each the fastest of three loops, as time_operation's."""
+    layers = [[torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)] for _ in range(8)]
+    model, inputs = torch.nn.Sequential(*sum(layers, [])), torch.ones(4, 8)
+
+    def step():
+        model(inputs).sum().backward()
+
+    step()  # warm-up
+    with OperationCount() as count:
+        step()
+    ones, add = torch.ones(4), torch.ops.aten.add.Tensor
+    framework, dispatch = [], []
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(20):
+            step()
+        framework.append((time.perf_counter() - started) / 20 / count.calls)
+        started = time.perf_counter()
+        for _ in range(1000):
+            add(ones, ones)
+        dispatch.append((time.perf_counter() - started) / 1000)
+    return min(framework), min(dispatch)
+
+
+class OperationCount(TorchDispatchMode):
+    """The operations the dispatcher sees, counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))

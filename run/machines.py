@@ -8,14 +8,12 @@ datasheet."""
 import bisect
 import functools
 import os
-import statistics
-import time
 
 import torch
 
 from common.datasheet import datasheet
 from common.nccl_tests import BUSBW_FACTORS, SWEEP_NAMES
-from common.op_timing import TensorMeta, time_operation
+from common.op_timing import TensorMeta, eager_overheads, time_operation
 
 # Of a datasheet's dense peak, what a GPU sustains: the best bf16 matmul the MAMF finder reaches on an H100
 # SXM (794.5 of 989.4 TFLOP/s; docs/BENCHMARK_FEATURES.md, "gpu: each GPU", its matmul shapes) and a STREAM
@@ -43,10 +41,24 @@ class Machine:
         operation that computes, launching its kernel. 0 where the device runs what the host issues."""
         if not self.overlaps:
             return 0.0
-        return host_dispatch_s() + (0.0 if event.free or event.collective else KERNEL_LAUNCH_S)
+        return self.overheads[1] + (0.0 if event.free or event.collective else KERNEL_LAUNCH_S)
+
+    @functools.cached_property
+    def overheads(self):
+        """(framework, dispatch) seconds per operation of an eager step on this host (eager_overheads)."""
+        return eager_overheads()
 
     def seconds(self, event):
-        """(seconds, how they were found) of one event on this machine."""
+        """(seconds, how they were found) of one event on this machine. On a CPU, which runs what it issues,
+        with the time an eager step spends on the event beyond its kernel: Python, modules, autograd and the
+        dispatcher (of which a timed operation already holds the dispatch)."""
+        seconds, how = self.cost(event)
+        if self.overlaps:
+            return seconds, how
+        framework, dispatch = self.overheads
+        return seconds + framework - (dispatch if how.startswith("timed") else 0.0), how
+
+    def cost(self, event):
         if event.collective:
             return self.collective_seconds(*event.collective)
         if event.free:
@@ -99,7 +111,12 @@ class Report(Datasheet):
         Machine.__init__(self, f"benchmark report {path}")
         self.report, self.device = report, report["world"]["device"]
         model = report.get("model") or {}
-        self.timed = {key: row["seconds"] for key, row in (model.get("operations") or {}).items()}
+        # Each operation's time is its fastest batch, when the other ranks left it a core: a CPU whose
+        # processes outnumber its cores (a test cluster runs its nodes on one host) gives each its share.
+        shared = 1.0 if report.get("gpu") else cores_shared(report)
+        self.timed = {key: row["seconds"] * shared for key, row in (model.get("operations") or {}).items()}
+        if model.get("eager_overheads_s"):  # measured on the nodes by every rank
+            self.overheads = tuple(seconds * shared for seconds in model["eager_overheads_s"])
         self.measured_collectives = {(c["kind"], c["bytes"], c["group"], c["nodes"]): c["seconds"]
                                      for c in model.get("collectives") or []}  # fmt: skip
         gpus = [g for g in (report.get("gpu") or {}).values() if isinstance(g, dict) and "name" in g]
@@ -168,8 +185,14 @@ class ThisDevice(Machine):
         self.threads = max(1, cores // processes)
         self.shared = 1.0 if self.overlaps else max(1.0, processes / cores)
 
-    def seconds(self, event):
-        if self.report is not None and event.key in self.report.timed:  # timed by every rank at once
+    @functools.cached_property
+    def overheads(self):
+        if self.report is not None and "eager_overheads_s" in (self.report.report.get("model") or {}):
+            return self.report.overheads
+        return tuple(seconds * self.shared for seconds in eager_overheads())
+
+    def cost(self, event):
+        if self.report is not None and event.key in self.report.timed:  # timed on every rank, shared
             return self.report.timed[event.key], "timed by the benchmark"
         if not (event.collective or event.free) and event.key not in self.timed:
             threads = torch.get_num_threads()
@@ -181,7 +204,7 @@ class ThisDevice(Machine):
             self.timed[event.key] = seconds * self.shared if seconds is not None else None
         if event.key in self.timed and self.timed[event.key] is None:
             return self.roofline(event), "roofline"
-        return super().seconds(event)
+        return super().cost(event)
 
     def roofline(self, event):
         """An operation that cannot be replayed alone (one of FSDP's copies, small beside the rest): its bytes
@@ -240,6 +263,15 @@ def machine_for(args, world_size):
     return report or Datasheet(args.gpu)
 
 
+def cores_shared(report):
+    """Of a CPU cluster's report: how many training processes share each core of its busiest host, at least
+    one."""
+    nodes = [node.get("hostname") for node in (report.get("nodes") or {}).values() if isinstance(node, dict)]
+    per_host = max((nodes.count(host) for host in nodes), default=1) * report["world"]["ranks_per_node"]
+    cores = least(node_figures(report, "cpu"), "cores", 1)
+    return max(1.0, per_host / cores) if cores else 1.0
+
+
 def processes_here(report, ranks_per_node):
     """The training processes sharing this machine: those a report of it places on this host (a test cluster
     runs its nodes on one), else a node's."""
@@ -282,17 +314,3 @@ def newest_report(folder, gpu):
         ):
             return path
     return None
-
-
-@functools.cache
-def host_dispatch_s():
-    """This host's time to dispatch one small operation from Python, the median of three loops of a
-    thousand: what the host spends on each operation of an eager step besides its kernel's launch."""
-    ones, add = torch.ones(4), torch.ops.aten.add.Tensor
-    loops = []
-    for _ in range(3):
-        started = time.perf_counter()
-        for _ in range(1000):
-            add(ones, ones)
-        loops.append((time.perf_counter() - started) / 1000)
-    return statistics.median(loops)
