@@ -183,7 +183,7 @@ class ThisDevice(Machine):
         self.device, self.report, cores = device, report, os.cpu_count() or 1
         self.overlaps = device.type == "cuda"
         self.threads = max(1, cores // processes)
-        self.shared = 1.0 if self.overlaps else max(1.0, processes / cores)
+        self.shared = 1.0 if self.overlaps else shares_of_cores(processes, cores)
 
     @functools.cached_property
     def overheads(self):
@@ -264,12 +264,19 @@ def machine_for(args, world_size):
 
 
 def cores_shared(report):
-    """Of a CPU cluster's report: how many training processes share each core of its busiest host, at least
-    one."""
+    """Of a CPU cluster's report: how many turns of its busiest host's cores a stretch of every rank's work
+    takes (shares_of_cores)."""
     nodes = [node.get("hostname") for node in (report.get("nodes") or {}).values() if isinstance(node, dict)]
     per_host = max((nodes.count(host) for host in nodes), default=1) * report["world"]["ranks_per_node"]
     cores = least(node_figures(report, "cpu"), "cores", 1)
-    return max(1.0, per_host / cores) if cores else 1.0
+    return shares_of_cores(per_host, cores) if cores else 1.0
+
+
+def shares_of_cores(processes, cores):
+    """How much longer a stretch of work takes when processes share cores: ranks meet at every collective,
+    and the cores run the stretches between in turns, each rank's whole (it runs until it waits), so three
+    ranks on two cores take two turns, not one and a half."""
+    return float(-(-processes // cores))
 
 
 def processes_here(report, ranks_per_node):
