@@ -2,7 +2,7 @@
 trained for real on this machine's CPU with gloo, and the pick (the plan's first row, the fastest predicted)
 is held against the fastest measured. The target: the pick's measured step within 5% of the fastest's.
 
-    python tests/perf/bench_plan.py                    # tiny on 1 and 2 processes: about 2 hours on 2 cores
+    python tests/perf/bench_plan.py                    # tiny on 1 and 2 processes: about 40 minutes
     python tests/perf/bench_plan.py --layouts=1 --limit=6 --json=plan.json
     python tests/perf/bench_plan.py --auto=batch_size  # only the micro-batch is planned: minutes
 
@@ -11,11 +11,11 @@ timed on every rank at once; on more than one process only, where there are coll
 plan over the options of --auto at a fixed global batch and sequence length, then each candidate it lists,
 trained one after another for a dozen steps; a measured step is the median of the log windows after the
 first. The options the plan does not choose are train.py's defaults (--sharding=full,
---activation_checkpointing=op) and the micro-batch of a rank's whole share of the global batch. Each plan
-takes a minute or two, each candidate about half a minute on an idle machine (tiny, global batch 8, seq
-128); the plan lists 48 candidates on one process and 36 on two. --limit=N trains only the plan's first N:
-the comparison then covers only those, and says so. Run it on a quiet machine: every figure is a wall-clock
-time, and the load average is printed with each row.
+--activation_checkpointing=op) and the micro-batch of a rank's whole share of the global batch. With tiny,
+a global batch of 8 and sequences of 128, the plan lists 48 candidates on one process and 36 on two; on 2
+idle cores a plan takes 2 to 3 minutes (benchmark.py one more) and a candidate 15 to 25 s, all printed as
+they go. --limit=N trains only the plan's first N: the comparison then covers only those, and says so. Run
+it on a quiet machine: every figure is a wall-clock time, and the load average is printed with each row.
 """
 
 import argparse
