@@ -18,22 +18,14 @@ import argparse
 import json
 import os
 import re
-import shlex
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-PYTHON = sys.executable
+from host_runs import MODELS, PYTHON, REPO, benchmark_report, layout, measured_step
 
-MODELS = {
-    "tiny": ["--model=tiny"],
-    "gpt2-4x384": ["--model=gpt2", "--n_layer=4", "--n_embd=384", "--n_head=6"],
-    "gpt2": ["--model=gpt2"],
-}
 # (model, layout, sharding, checkpointing, micro-batch, sequence length); layout: "1" and "2" processes on
 # this machine, "2n" and "3n" nodes of one process each, "2x2n" two nodes of two
 GRID = [
@@ -48,51 +40,6 @@ GRID = [
     ("gpt2", "1", "full", "none", 2, 128), ("gpt2", "2", "full", "op", 2, 128),
     ("gpt2", "2n", "grad_op", "full", 2, 64),
 ]  # fmt: skip
-STEPS, LOG_EVERY = 12, 3
-
-
-def layout(name):
-    """(world size, processes a node, nodes) of "1", "2" (processes), "2n", "3n" (nodes of one) or "2x2n"."""
-    if not name.endswith("n"):
-        return int(name), int(name), 1
-    per_node, _, nodes = name.removesuffix("n").rpartition("x")
-    per_node, nodes = int(per_node or 1), int(nodes)
-    return nodes * per_node, per_node, nodes
-
-
-def launch(name, script, args, folder, port):
-    """script under the layout: a plain process, torchrun --standalone, or one torchrun agent a node."""
-    world, per_node, nodes = layout(name)
-    if world == 1:
-        return subprocess.run([PYTHON, script, *args], cwd=REPO, capture_output=True, text=True)
-    if nodes == 1:
-        command = [PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={per_node}"]
-        return subprocess.run([*command, script, *args], cwd=REPO, capture_output=True, text=True)
-    agents = [
-        subprocess.Popen(
-            [
-                PYTHON,
-                "-m",
-                "torch.distributed.run",
-                f"--nnodes={nodes}",
-                f"--nproc_per_node={per_node}",
-                f"--node_rank={node}",
-                "--rdzv_backend=c10d",
-                f"--rdzv_endpoint=127.0.0.1:{port}",
-                "--rdzv_id=bench",
-                script,
-                *args,
-            ],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "SLURMD_NODENAME": f"n{node + 1}"},
-        )  # fmt: skip
-        for node in range(nodes)
-    ]
-    outputs = [agent.communicate() for agent in agents]
-    return subprocess.CompletedProcess(args, max(a.returncode for a in agents), outputs[0][0], outputs[0][1])
 
 
 def options(config):
@@ -107,30 +54,21 @@ def measure(index, config, folder):
     name = config[1]
     world, per_node, _ = layout(name)
     train_args, port = options(config), 29600 + index
-    report = folder / "report.yaml"
-    bench = ["--quick", "--only=nccl,links,cpu,memory", f"--report={report}", f"--report_dir={folder}",
-             f"--train_args={shlex.join([*train_args, '--predict=False'])}"]  # fmt: skip
-    done = launch(name, "benchmark.py", bench, folder, port)
-    if not report.exists():
-        return {"error": f"benchmark: {done.stderr[-800:]}"}
+    report = benchmark_report(name, train_args, folder, port)
+    if isinstance(report, dict):
+        return report
     dry = [PYTHON, "train.py", "--dry_run", "--gpu=cpu", f"--world_size={world}",
            f"--gpus_per_node={per_node}", f"--benchmark_report={report}", *train_args]  # fmt: skip
     predicted = subprocess.run(dry, cwd=REPO, capture_output=True, text=True)
     line = re.search(r"^predicted step: ([\d.e+-]+) s", predicted.stdout, re.M)
     if not line:
         return {"error": f"dry run: {predicted.stdout[-500:]} {predicted.stderr[-800:]}"}
-    run = [*train_args, "--predict=False", f"--max_steps={STEPS}", f"--log_every={LOG_EVERY}",
-           "--tensorboard=False", "--curves=False", f"--log_dir={folder}/logs", "--run_name=r",
-           f"--checkpoint_dir={folder}/ck", "--checkpoint_every=1000", "--eval_every=0"]  # fmt: skip
-    trained = launch(name, "train.py", run, folder, port + 100)
-    metrics = folder / "logs" / "r" / "metrics.jsonl"
-    if trained.returncode or not metrics.exists():
-        return {"error": f"training: {trained.stderr[-800:]}"}
-    windows = [json.loads(record)["step_time_s"] for record in metrics.read_text().splitlines()][1:]
-    measured = statistics.median(windows)
+    measured = measured_step(name, train_args, folder, port + 100)
+    if "error" in measured:
+        return measured
     prediction = float(line[1])
-    return {"predicted_s": prediction, "measured_s": measured, "error": (prediction - measured) / measured,
-            "windows_s": windows, "load": os.getloadavg()[0]}  # fmt: skip
+    error = (prediction - measured["measured_s"]) / measured["measured_s"]
+    return {"predicted_s": prediction, **measured, "error": error, "load": os.getloadavg()[0]}
 
 
 def main():
