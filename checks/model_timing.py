@@ -59,13 +59,13 @@ def model_section(world: World, cfg: dict, step) -> dict:
     train_args, operations, collectives = shared[0]
     local = {key: time_operation(name, args, kwargs, world.device) for key, (name, args, kwargs, _) in
              operations.items()}  # fmt: skip
-    local["eager_overheads_s"] = eager_overheads() if world.device.type == "cpu" else None
+    overheads = eager_overheads() if world.device.type == "cpu" else None
     everyone = [None] * world.size
-    dist.all_gather_object(everyone, local, group=world.cpu_group)
-    overheads = [rank["eager_overheads_s"] for rank in everyone if rank["eager_overheads_s"]]
+    dist.all_gather_object(everyone, (local, overheads), group=world.cpu_group)
+    overheads = [rank_overheads for _, rank_overheads in everyone if rank_overheads]
     timed = {}
     for key, (name, args, kwargs, calls) in operations.items():
-        seconds = [rank[key] for rank in everyone if rank[key] is not None]
+        seconds = [rank[key] for rank, _ in everyone if rank[key] is not None]
         if seconds:  # the median rank's, as a step runs at every rank's pace but for its slowest
             timed[key] = {"seconds": statistics.median(seconds), "slowest_s": max(seconds), "calls": calls,
                           "op": name, "args": describe(args, kwargs)[:200]}  # fmt: skip

@@ -10,6 +10,7 @@ import functools
 import os
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from common.datasheet import datasheet
 from common.nccl_tests import BUSBW_FACTORS, SWEEP_NAMES
@@ -111,16 +112,16 @@ class Report(Datasheet):
         Machine.__init__(self, f"benchmark report {path}")
         self.report, self.device = report, report["world"]["device"]
         model = report.get("model") or {}
-        # Each operation's time is its fastest batch, when the other ranks left it a core: a CPU whose
-        # processes outnumber its cores (a test cluster runs its nodes on one host) gives each its share.
-        shared = 1.0 if report.get("gpu") else cores_shared(report)
-        self.timed = {key: row["seconds"] * shared for key, row in (model.get("operations") or {}).items()}
-        if model.get("eager_overheads_s"):  # measured on the nodes by every rank
-            self.overheads = tuple(seconds * shared for seconds in model["eager_overheads_s"])
-        self.measured_collectives = {(c["kind"], c["bytes"], c["group"], c["nodes"]): c["seconds"]
-                                     for c in model.get("collectives") or []}  # fmt: skip
         gpus = [g for g in (report.get("gpu") or {}).values() if isinstance(g, dict) and "name" in g]
         self.overlaps = bool(gpus)
+        # Each operation's time is its fastest batch, when the other ranks left it a core: a CPU whose
+        # processes outnumber its cores (a test cluster runs its nodes on one host) gives each its share.
+        shared = 1.0 if gpus else cores_shared(report)
+        self.timed = {key: row["seconds"] * shared for key, row in (model.get("operations") or {}).items()}
+        measured = model.get("eager_overheads_s")  # on the nodes, by every rank
+        self.measured_overheads = tuple(seconds * shared for seconds in measured) if measured else None
+        self.measured_collectives = {(c["kind"], c["bytes"], c["group"], c["nodes"]): c["seconds"]
+                                     for c in model.get("collectives") or []}  # fmt: skip
         if gpus:
             rate, copy = least(gpus, "matmul_bf16_TFLOPS", 1e12), least(gpus, "copy_GB/s", 1e9)
             half = rate / 2 if rate else None
@@ -134,6 +135,10 @@ class Report(Datasheet):
         if not (rate and copy):
             sections = "gpu" if gpus else "cpu and memory"
             self.notes.append(f"operations the report has not timed, for want of its {sections} figures")
+
+    @functools.cached_property
+    def overheads(self):
+        return self.measured_overheads or eager_overheads()
 
     def roofline(self, event):
         if not (self.flops_per_s[torch.float32] and self.bytes_per_s):
@@ -187,8 +192,8 @@ class ThisDevice(Machine):
 
     @functools.cached_property
     def overheads(self):
-        if self.report is not None and "eager_overheads_s" in (self.report.report.get("model") or {}):
-            return self.report.overheads
+        if self.report is not None and self.report.measured_overheads:
+            return self.report.measured_overheads
         return tuple(seconds * self.shared for seconds in eager_overheads())
 
     def cost(self, event):
@@ -244,10 +249,6 @@ def least(members, key, scale):
 
 
 def tensors_of(event):
-    from torch.utils._pytree import tree_leaves
-
-    from common.op_timing import TensorMeta
-
     return [leaf for leaf in tree_leaves((event.args, event.kwargs)) if isinstance(leaf, TensorMeta)]
 
 
