@@ -191,7 +191,7 @@ def main(argv):
         if has_auto(args):  # decided once for the run, by rank 0, and kept in its log folder
             choose = functools.partial(choose_auto, args, model_config, meta_model)
             settle(args, log_folder, int(os.environ.get("RANK", 0)), choose)
-        own_step = trace_own_step(args, model_config, meta_model) if args.predict else None
+        own_step = trace_own_step(args, model_config, meta_model, log_folder) if args.predict else None
         device, rank, world_size, mesh = launch.setup_distributed(args, log_folder)
         accumulation = args.global_batch_size // (args.batch_size * world_size)
         batches, validation_batches, epoch_steps = open_batches(
@@ -301,12 +301,14 @@ def trace_run(argv):
     tokenizer = load_tokenizer(args)
     never_packed_sequences()
     model_config = build_model_config(shape, tokenizer, args.vocab_size)
-    return trace_own_step(args, model_config, build_meta_model(model_config))
+    own_step = trace_own_step(args, model_config, build_meta_model(model_config))
+    return own_step.events if own_step else None
 
 
-def trace_own_step(args, model_config, meta_model):
+def trace_own_step(args, model_config, meta_model, log_folder=None):
     """Rank 0 traces this run's step on fake tensors, before any process group exists (a fake one stands in
-    for it), for predict_own_step to time on the device once it is set up."""
+    for it), for predict_own_step to time on the device once it is set up; or reads the prediction an earlier
+    launch of the run kept in log_folder."""
     if os.environ.get("RANK", "0") != "0":
         return None
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -314,7 +316,9 @@ def trace_own_step(args, model_config, meta_model):
     n_params = sum(p.numel() for p in meta_model.parameters())
     on_gpu = torch.cuda.is_available()
     path = training_path()
-    return simulation.trace_own_step(args, model_config, n_params, path, world_size, ranks_per_node, on_gpu)
+    return simulation.trace_own_step(
+        args, model_config, n_params, path, world_size, ranks_per_node, on_gpu, log_folder
+    )
 
 
 def report_checked(log_folder):

@@ -1,10 +1,24 @@
 """The live step held against its prediction (run/predict.py), at every log window after the first: the
 measured step over the predicted one, and the part that differs most, in the log line, the run's records
 (TensorBoard, W&B, metrics.jsonl) and the goodput ledger. A run slower than SLOW_RATIO times its prediction
-warns in one line naming that part, once, and again only if the gap grows by GROWTH more."""
+warns in one line naming that part, once, and again only if the gap grows by GROWTH more. The prediction is
+kept in the run's log folder: a later launch of the run on the same machine (a restart, a requeue) reads it
+there instead of tracing and timing the step again, which costs a recovery a minute on a large model."""
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+from common.files import write_atomically
+from run.predict import Prediction
 
 SLOW_RATIO = 1.25
 GROWTH = 0.25
+KEPT = "prediction.json"
 
 
 class LivePrediction:
@@ -56,3 +70,38 @@ def describe(record):
         f" | {record['vs_predicted']:.2f}x predicted ({record['largest_difference']} "
         f"{record['largest_difference_s']:+.3g} s)"
     )
+
+
+def machine_here(world_size, processes_per_node):
+    """What a kept prediction holds for: this kind of device, as many processes on as many nodes, this
+    torch."""
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        device = f"CPU, {os.cpu_count()} cores"
+    return {"device": device, "world_size": world_size, "processes_per_node": processes_per_node,
+            "torch": torch.__version__}  # fmt: skip
+
+
+def keep(log_folder, prediction, machine):
+    """Writes the prediction, what it holds for and when it was made into the run's log folder."""
+    made = time.strftime("%Y-%m-%d %H:%M")
+    record = {"machine": machine, "made": made, "prediction": dataclasses.asdict(prediction)}
+    write_atomically(os.path.join(log_folder, KEPT), json.dumps(record, indent=1))
+
+
+def kept(log_folder, machine):
+    """(the Prediction an earlier launch of this run kept, when it was made) if it holds for this machine;
+    None if there is none, or it holds for another machine. A damaged one is a warning, and predicted anew."""
+    path = os.path.join(log_folder, KEPT)
+    try:
+        with open(path) as file:
+            record = json.load(file)
+        if record["machine"] != machine:
+            return None
+        return Prediction(**record["prediction"]), record["made"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        print(f"warning: {path} is not a prediction ({error}); predicting the step again", file=sys.stderr)
+        return None

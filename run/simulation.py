@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from common.datasheet import datasheet
 from common.node import available_memory_bytes
+from run import live_prediction
 from run.curves import duration
 from run.launch import device_mesh
 from run.live_prediction import LivePrediction
@@ -236,13 +237,15 @@ def report_prediction(args, events, world_size, model_flops):
     started = time.perf_counter()
     machine = machine_for(args, world_size)
     peak = datasheet(args.gpu) if args.gpu != "cpu" else None
-    return print_prediction(args, play(events, machine), machine, world_size, model_flops, peak, started)
+    prediction = play(events, machine)
+    where = f"on {machine.name}, {time.perf_counter() - started:.0f} s"
+    return print_prediction(args, prediction, where, world_size, model_flops, peak)
 
 
-def print_prediction(args, prediction, machine, world_size, model_flops, peak, started):
+def print_prediction(args, prediction, where, world_size, model_flops, peak):
     """The predicted step and its parts, tokens/s per device, MFU over the datasheet peak, the time to
     --max_steps, and what the prediction cannot see."""
-    print(f"{prediction.line()} (on {machine.name}, {time.perf_counter() - started:.0f} s)")
+    print(f"{prediction.line()} ({where})")
     tokens = args.global_batch_size * args.seq_length / world_size / prediction.step_s
     mfu = f", MFU {model_flops * tokens / (peak['bf16'] * 1e12):.1%}" if peak and peak.get("bf16") else ""
     steps = f"; {args.max_steps} steps in {duration(args.max_steps * prediction.step_s)}"
@@ -252,29 +255,53 @@ def print_prediction(args, prediction, machine, world_size, model_flops, peak, s
     return prediction
 
 
-def trace_own_step(args, model_config, n_params, training, world_size, ranks_per_node, on_gpu):
+@dataclasses.dataclass
+class OwnStep:
+    """Rank 0's step, to predict before training: its events, traced now, or the prediction that an earlier
+    launch of the run made on the same kind of machine (run/live_prediction.py), with where it was made."""
+
+    machine: dict
+    log_folder: str | None
+    events: list | None = None
+    kept: tuple | None = None
+
+
+def trace_own_step(args, model_config, n_params, training, world_size, ranks_per_node, on_gpu, log_folder):
     """This run's own step, traced on fake tensors before its process group exists (rank 0's, to hold the
-    live step against): its events, with its accumulation; None, with a warning, where it cannot be."""
+    live step against), with its accumulation, or kept by an earlier launch in log_folder: an OwnStep; None,
+    with a warning, where it cannot be traced."""
+    machine = live_prediction.machine_here(world_size, ranks_per_node)
+    kept = live_prediction.kept(log_folder, machine) if log_folder else None
+    if kept:
+        return OwnStep(machine, log_folder, kept=kept)
     accumulation = args.global_batch_size // (args.batch_size * world_size)
     with advisory():
         _, events = simulate(args, model_config, world_size, n_params, training, ranks_per_node, fused=on_gpu)
-        return with_accumulation(events, min(2, accumulation), accumulation)
+        events = with_accumulation(events, min(2, accumulation), accumulation)
+        return OwnStep(machine, log_folder, events=events)
     return None
 
 
-def predict_own_step(args, events, device, world_size, model_flops):
+def predict_own_step(args, own_step, device, world_size, model_flops):
     """This run's step on its own device, each distinct operation timed there now, and collectives at the
-    figures of the job's benchmark report ($BENCHMARK_REPORT, or --benchmark_report): a LivePrediction."""
+    figures of the job's benchmark report ($BENCHMARK_REPORT, or --benchmark_report), or as an earlier launch
+    of the run predicted it: a LivePrediction, kept in the run's log folder."""
     started = time.perf_counter()
+    peak = datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     with advisory():
-        path = os.environ.get("BENCHMARK_REPORT") or args.benchmark_report
-        report = Report(path, read_report(path)) if path else None
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        machine = ThisDevice(device, processes_here(report, local), report)
-        peak = datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-        prediction = print_prediction(
-            args, play(events, machine), machine, world_size, model_flops, peak, started
-        )
+        if own_step.kept:
+            prediction, made = own_step.kept
+            where = f"kept in the run's log folder by its launch of {made}"
+        else:
+            path = os.environ.get("BENCHMARK_REPORT") or args.benchmark_report
+            report = Report(path, read_report(path)) if path else None
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            machine = ThisDevice(device, processes_here(report, local), report)
+            prediction = play(own_step.events, machine)
+            where = f"on {machine.name}, {time.perf_counter() - started:.0f} s"
+            if own_step.log_folder:
+                live_prediction.keep(own_step.log_folder, prediction, own_step.machine)
+        print_prediction(args, prediction, where, world_size, model_flops, peak)
         return LivePrediction(prediction, prediction.layer_forward_s)
     return None
 

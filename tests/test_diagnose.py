@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -162,6 +163,13 @@ def throttle(pid, stop_event, stopped=0.09, running=0.01):
             time.sleep(running)
 
 
+def slow_run(folder, max_steps):
+    """The options of the run below, with its logs and checkpoints in folder."""
+    return [*TINY, f"--log_dir={folder}", f"--checkpoint_dir={folder}", "--run_name=slow",
+            f"--max_steps={max_steps}", "--seq_length=64", "--log_every=2", "--checkpoint_every=3",
+            "--hang_minimum_s=6", "--hang_factor=4", "--profile_steps=2,3", "--predict=True"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def slow_then_stopped(tmp_path_factory):
     """One 2-process run in two acts, which the tests below read. From the first step rank 1 is throttled
@@ -170,11 +178,8 @@ def slow_then_stopped(tmp_path_factory):
     rank 0 waits in a collective until its watchdog (limit max(6 s, 4 x median step)) ends the run. Rank 0
     also profiles steps 2 and 3."""
     tmp_path = tmp_path_factory.mktemp("slow")
-    args = [*TINY, f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", "--run_name=slow",
-            "--max_steps=60", "--seq_length=64", "--log_every=2", "--checkpoint_every=3",
-            "--hang_minimum_s=6", "--hang_factor=4", "--profile_steps=2,3", "--predict=True"]  # fmt: skip
     process = subprocess.Popen(
-        torchrun_command("train.py", args, 2),
+        torchrun_command("train.py", slow_run(tmp_path, max_steps=60), 2),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -246,6 +251,20 @@ def test_a_throttled_rank_makes_the_step_slower_than_predicted_and_the_warning_n
     assert all(later > earlier + 0.25 for earlier, later in zip(ratios, ratios[1:]))  # again only if it grows
     records = read_metrics(slow_then_stopped.folder)
     assert all(record["vs_predicted"] > 1.25 for record in records[1:]) and "vs_predicted" not in records[0]
+
+
+def test_a_relaunch_of_the_run_reads_the_prediction_its_first_launch_kept(slow_then_stopped, tmp_path):
+    """A restart neither traces nor times the step again (it would cost a recovery a minute on a large
+    model): resumed from the hung run's last checkpoint, in a copy of its folder, it prints the prediction
+    that the first launch kept in the run's log folder."""
+    shutil.copytree(slow_then_stopped.folder, tmp_path, dirs_exist_ok=True)
+    result = launch("train.py", slow_run(tmp_path, max_steps=7))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    timed_now = r"^(predicted step: [\d.e-]+ s = .*) \(on this machine's CPU, timed now"
+    kept = r"^(predicted step: .*) \(kept in the run's log folder by its launch of [\d-]+ [\d:]+\)$"
+    first, again = re.search(timed_now, slow_then_stopped.log, re.M), re.search(kept, result.stdout, re.M)
+    assert first and again and again[1] == first[1], result.stdout[:3000]
+    assert "resumed from" in result.stdout, result.stdout[-3000:]
 
 
 def test_a_straggler_three_windows_in_a_row_is_warned_of_once_with_the_command_that_leaves_it_out(

@@ -16,9 +16,9 @@ import benchmark
 import train as train_script
 from common.errors import ConfigError
 from common.op_timing import CPU_ATTENTION, replay, resolve
-from run import plan, simulation
+from run import live_prediction, plan, simulation
 from run.machines import Report
-from run.predict import play
+from run.predict import Prediction, play
 
 TINY_STEP = ["--model=tiny", "--compile=False", "--batch_size=4", "--global_batch_size=8", "--seq_length=64"]
 SIZES = [2**20 * 4**power for power in range(6)]  # 1 MiB to 1 GiB, as the benchmark's default sweep
@@ -172,3 +172,14 @@ def test_cpu_flash_attention_replays_as_the_gpu_runs_it_with_the_same_results(st
     for _ in range(2):
         for got, want in zip(gradients(), expected, strict=True):
             torch.testing.assert_close(got, want)
+
+
+def test_a_kept_prediction_holds_only_for_its_machine_and_a_damaged_one_is_predicted_anew(tmp_path, capsys):
+    prediction = Prediction(0.5, {"forward": 0.2, "backward": 0.3}, 0.1, {"timed": 3}, ["a note"])
+    here = live_prediction.machine_here(world_size=2, processes_per_node=2)
+    live_prediction.keep(tmp_path, prediction, here)
+    assert live_prediction.kept(tmp_path, here)[0] == prediction
+    assert live_prediction.kept(tmp_path, {**here, "world_size": 4}) is None  # relaunched elsewhere
+    (tmp_path / live_prediction.KEPT).write_text('{"machine": ')
+    assert live_prediction.kept(tmp_path, here) is None
+    assert "is not a prediction" in capsys.readouterr().err

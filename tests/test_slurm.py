@@ -34,6 +34,7 @@ TINY = [
     "--log_every=1",
     "--tensorboard=False",
     "--curves=False",
+    "--predict=False",  # up to a minute on a loaded machine before the first step; test_diagnose.py has it
 ]
 
 
