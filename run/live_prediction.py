@@ -72,15 +72,16 @@ def describe(record):
     )
 
 
-def machine_here(world_size, processes_per_node):
+def machine_here(world_size, processes_per_node, benchmark_report=None):
     """What a kept prediction holds for: this kind of device, as many processes on as many nodes, this
-    torch."""
+    torch, and the report the user named (--benchmark_report). Not the job's own report ($BENCHMARK_REPORT),
+    which is new after each check of the nodes: a restart on the same kind of nodes keeps the prediction."""
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(int(os.environ.get("LOCAL_RANK", 0)))
     else:
         device = f"CPU, {os.cpu_count()} cores"
     return {"device": device, "world_size": world_size, "processes_per_node": processes_per_node,
-            "torch": torch.__version__}  # fmt: skip
+            "torch": torch.__version__, "benchmark_report": benchmark_report}  # fmt: skip
 
 
 def keep(log_folder, prediction, machine):

@@ -270,7 +270,7 @@ def trace_own_step(args, model_config, n_params, training, world_size, ranks_per
     """This run's own step, traced on fake tensors before its process group exists (rank 0's, to hold the
     live step against), with its accumulation, or kept by an earlier launch in log_folder: an OwnStep; None,
     with a warning, where it cannot be traced."""
-    machine = live_prediction.machine_here(world_size, ranks_per_node)
+    machine = live_prediction.machine_here(world_size, ranks_per_node, args.benchmark_report)
     kept = live_prediction.kept(log_folder, machine) if log_folder else None
     if kept:
         return OwnStep(machine, log_folder, kept=kept)

@@ -180,6 +180,7 @@ def test_a_kept_prediction_holds_only_for_its_machine_and_a_damaged_one_is_predi
     live_prediction.keep(tmp_path, prediction, here)
     assert live_prediction.kept(tmp_path, here)[0] == prediction
     assert live_prediction.kept(tmp_path, {**here, "world_size": 4}) is None  # relaunched elsewhere
+    assert live_prediction.kept(tmp_path, {**here, "benchmark_report": "logs/other.yaml"}) is None
     (tmp_path / live_prediction.KEPT).write_text('{"machine": ')
     assert live_prediction.kept(tmp_path, here) is None
     assert "is not a prediction" in capsys.readouterr().err
