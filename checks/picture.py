@@ -10,15 +10,9 @@ datasheet (common/datasheet.py), in the shapes people know:
 import math
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")  # no display on a compute node
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
-
-from checks.terminal import printable  # noqa: E402
-from checks.verdicts import DATASHEET_CHECKS  # noqa: E402
-from common.datasheet import datasheet  # noqa: E402
+from checks.terminal import printable
+from checks.verdicts import DATASHEET_CHECKS
+from common.datasheet import datasheet
 
 GPU_FIGURES = (("matmul_bf16_TFLOPS", "bf16 matmul, TFLOP/s"), ("copy_GB/s", "HBM copy, GB/s"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -213,7 +207,7 @@ def collective_panels(report, axes):
                     panel["floors"][scope], color=FLOOR, linestyle=style, linewidth=1, label=f"{scope} floor"
                 )
         axis.set_xscale("log", base=2)
-        axis.xaxis.set_major_formatter(FuncFormatter(size_label))
+        axis.xaxis.set_major_formatter(size_label)
         axis.set_title(f"{op} busbw, GB/s")
         axis.set_xlabel("message size", fontsize=7)
         axis.tick_params(labelsize=7)
@@ -230,6 +224,12 @@ def size_label(size, _):
 
 def draw(report, path):
     """Writes the picture to path (under a temporary name, then renamed); returns its panels' titles."""
+    # here, not above: only the rank that writes the report draws, and the import costs every rank 0.4 s
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a compute node
+    import matplotlib.pyplot as plt
+
     figure = plt.figure(figsize=(16, 12), layout="constrained")
     rows = figure.subfigures(3, 1, height_ratios=[1, 1, 1])
     gpu_axes = rows[0].subplots(1, len(GPU_FIGURES))
