@@ -85,10 +85,16 @@ def machine_here(world_size, processes_per_node, benchmark_report=None):
 
 
 def keep(log_folder, prediction, machine):
-    """Writes the prediction, what it holds for and when it was made into the run's log folder."""
+    """Writes the prediction, what it holds for and when it was made into the run's log folder; where it
+    cannot be written (a full disk), a warning, and the run goes on with it."""
     made = time.strftime("%Y-%m-%d %H:%M")
     record = {"machine": machine, "made": made, "prediction": dataclasses.asdict(prediction)}
-    write_atomically(os.path.join(log_folder, KEPT), json.dumps(record, indent=1))
+    path = os.path.join(log_folder, KEPT)
+    try:
+        write_atomically(path, json.dumps(record, indent=1))
+    except OSError as error:
+        print(f"warning: cannot keep the prediction in {path} ({error.strerror or error}); a restart will "
+              "predict the step again", file=sys.stderr)  # fmt: skip
 
 
 def kept(log_folder, machine):

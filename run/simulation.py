@@ -258,7 +258,7 @@ def print_prediction(args, prediction, where, world_size, model_flops, peak):
 @dataclasses.dataclass
 class OwnStep:
     """Rank 0's step, to predict before training: its events, traced now, or the prediction that an earlier
-    launch of the run made on the same kind of machine (run/live_prediction.py), with where it was made."""
+    launch of the run made on the same kind of machine (run/live_prediction.py), with when it was made."""
 
     machine: dict
     log_folder: str | None
@@ -299,9 +299,9 @@ def predict_own_step(args, own_step, device, world_size, model_flops):
             machine = ThisDevice(device, processes_here(report, local), report)
             prediction = play(own_step.events, machine)
             where = f"on {machine.name}, {time.perf_counter() - started:.0f} s"
-            if own_step.log_folder:
-                live_prediction.keep(own_step.log_folder, prediction, own_step.machine)
         print_prediction(args, prediction, where, world_size, model_flops, peak)
+        if own_step.log_folder and not own_step.kept:
+            live_prediction.keep(own_step.log_folder, prediction, own_step.machine)
         return LivePrediction(prediction, prediction.layer_forward_s)
     return None
 

@@ -174,7 +174,9 @@ def test_cpu_flash_attention_replays_as_the_gpu_runs_it_with_the_same_results(st
             torch.testing.assert_close(got, want)
 
 
-def test_a_kept_prediction_holds_only_for_its_machine_and_a_damaged_one_is_predicted_anew(tmp_path, capsys):
+def test_a_kept_prediction_holds_only_for_its_machine_and_a_damaged_or_unwritable_one_is_a_warning(
+    tmp_path, capsys
+):
     prediction = Prediction(0.5, {"forward": 0.2, "backward": 0.3}, 0.1, {"timed": 3}, ["a note"])
     here = live_prediction.machine_here(world_size=2, processes_per_node=2)
     live_prediction.keep(tmp_path, prediction, here)
@@ -184,3 +186,5 @@ def test_a_kept_prediction_holds_only_for_its_machine_and_a_damaged_one_is_predi
     (tmp_path / live_prediction.KEPT).write_text('{"machine": ')
     assert live_prediction.kept(tmp_path, here) is None
     assert "is not a prediction" in capsys.readouterr().err
+    live_prediction.keep(tmp_path / "no such folder", prediction, here)  # a warning; the run goes on
+    assert "warning: cannot keep the prediction in" in capsys.readouterr().err
