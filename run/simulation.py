@@ -287,8 +287,8 @@ def predict_own_step(args, own_step, device, world_size, model_flops):
     figures of the job's benchmark report ($BENCHMARK_REPORT, or --benchmark_report), or as an earlier launch
     of the run predicted it: a LivePrediction, kept in the run's log folder."""
     started = time.perf_counter()
-    peak = datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     with advisory():
+        peak = datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         if own_step.kept:
             prediction, made = own_step.kept
             where = f"kept in the run's log folder by its launch of {made}"
