@@ -6,6 +6,7 @@ on; the benchmark (checks/model_timing.py) on every GPU of the cluster, where th
 import dataclasses
 import functools
 import hashlib
+import statistics
 import time
 
 import torch
@@ -20,6 +21,7 @@ MAX_CALLS = 4**6
 # More than the last-level cache of a CPU (tens of MB) or a GPU's L2 (50 MB on an H100).
 CACHE_BYTES = {"cpu": 128 << 20, "cuda": 256 << 20}
 MAX_COPIES = 64
+FIRST_TOUCH_BYTES = 64 << 20
 # A step traced on a CPU records CPU flash attention: what a GPU runs in its place is timed there instead.
 CPU_ATTENTION = {"aten._scaled_dot_product_flash_attention_for_cpu.default": "forward",
                  "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": "backward"}  # fmt: skip
@@ -84,7 +86,8 @@ def time_operation(name, args, kwargs, device):
     """Seconds of one call of the operation on tensors of its shapes on device, or None when it cannot be
     replayed alone (an argument it cannot be given, such as a process group). Calls run in a row (the
     device's own queue stays full, as in a step), as many as last BATCH_SECONDS, in batches of which the
-    fastest counts: a batch that another process interrupted is slower, never faster. The calls take turns
+    median counts: a step runs through the same interruptions and slow spells of a shared machine, and its
+    time is a median too (the fastest batch made a CPU step's prediction 5-20% low). The calls take turns
     over copies of the arguments that together outgrow the caches, so that each reads its inputs from
     memory, as the step's operations do."""
     try:
@@ -110,7 +113,7 @@ def time_operation(name, args, kwargs, device):
         while len(batches) < MAX_BATCHES and (len(batches) < MIN_BATCHES or spent < MIN_TIMED_SECONDS):
             batches.append(batch(calls))
             spent += batches[-1]
-        return min(batches) / calls
+        return statistics.median(batches) / calls
     except (RuntimeError, TypeError, ValueError, AttributeError, IndexError, NotImplementedError):
         return None
 
@@ -151,11 +154,14 @@ def synchronize(device):
 
 
 def eager_overheads():
-    """(framework, dispatch): this host's seconds per operation of an eager training step beyond the
-    kernel, and of dispatching one small operation alone. framework: Python, modules, autograd and the
-    dispatcher, from the forward and backward of a small model whose kernels cost next to nothing, over the
-    operations the dispatcher sees (views among them, as in a recorded step). dispatch: what a replayed
-    operation's own timing already holds of it. Each the fastest of three loops, as time_operation's."""
+    """(framework, dispatch, first touch): this host's seconds per operation of an eager training step beyond
+    the kernel, of dispatching one small operation alone, and per byte of memory a process writes for the
+    first time. framework: Python, modules, autograd and the dispatcher, from the forward and backward of a
+    small model whose kernels cost next to nothing, over the operations the dispatcher sees (views among
+    them). dispatch: what a replayed operation's own timing already holds of it. first touch: the pages the
+    system maps and zeroes on a first write, which a step pays for its activations (freed memory goes back
+    to the system, past the allocator's thresholds) and a replayed operation, reusing its memory, does not.
+    Each the median of three loops, as time_operation's."""
     layers = [[torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)] for _ in range(8)]
     model, inputs = torch.nn.Sequential(*sum(layers, [])), torch.ones(4, 8)
 
@@ -166,7 +172,10 @@ def eager_overheads():
     with OperationCount() as count:
         step()
     ones, add = torch.ones(4), torch.ops.aten.add.Tensor
-    framework, dispatch = [], []
+    # Larger than glibc's largest threshold for mapping an allocation of its own (32 MB): each is new pages.
+    fresh_elements = FIRST_TOUCH_BYTES // 4
+    reused = torch.empty(fresh_elements)
+    framework, dispatch, first_touch = [], [], []
     for _ in range(3):
         started = time.perf_counter()
         for _ in range(20):
@@ -176,7 +185,13 @@ def eager_overheads():
         for _ in range(1000):
             add(ones, ones)
         dispatch.append((time.perf_counter() - started) / 1000)
-    return min(framework), min(dispatch)
+        started = time.perf_counter()
+        reused.fill_(1.0)
+        rewrite = time.perf_counter() - started
+        started = time.perf_counter()
+        torch.empty(fresh_elements).fill_(1.0)
+        first_touch.append(max(0.0, time.perf_counter() - started - rewrite) / FIRST_TOUCH_BYTES)
+    return statistics.median(framework), statistics.median(dispatch), statistics.median(first_touch)
 
 
 class OperationCount(TorchDispatchMode):

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 from common.datasheet import datasheet
 from common.nccl_tests import BUSBW_FACTORS, SWEEP_NAMES
 from common.op_timing import TensorMeta, eager_overheads, time_operation
+from run.predict import FAKE_ONLY
 
 # Of a datasheet's dense peak, what a GPU sustains: the best bf16 matmul the MAMF finder reaches on an H100
 # SXM (794.5 of 989.4 TFLOP/s; docs/BENCHMARK_FEATURES.md, "gpu: each GPU", its matmul shapes) and a STREAM
@@ -37,6 +38,11 @@ class Machine:
     def __init__(self, name):
         self.name, self.notes, self.timed = name, [], {}
 
+    def first_touch_seconds(self, size):
+        """What writing `size` bytes of memory the step has not held before adds: on a CPU, the pages the
+        system maps and zeroes; none on a GPU, whose caching allocator keeps its memory from step to step."""
+        return 0.0 if self.overlaps else size * self.overheads[2]
+
     def issue_seconds(self, event):
         """The host's time to issue an event: dispatching it (as measured on this host) and, for an
         operation that computes, launching its kernel. 0 where the device runs what the host issues."""
@@ -46,17 +52,19 @@ class Machine:
 
     @functools.cached_property
     def overheads(self):
-        """(framework, dispatch) seconds per operation of an eager step on this host (eager_overheads)."""
+        """(framework, dispatch, first touch): an eager step's seconds per operation on this host, and per byte
+        of new memory (eager_overheads)."""
         return eager_overheads()
 
     def seconds(self, event):
         """(seconds, how they were found) of one event on this machine. On a CPU, which runs what it issues,
         with the time an eager step spends on the event beyond its kernel: Python, modules, autograd and the
-        dispatcher (of which a timed operation already holds the dispatch)."""
+        dispatcher (of which a timed operation already holds the dispatch); none for what only fake tensors
+        dispatch."""
         seconds, how = self.cost(event)
-        if self.overlaps:
+        if self.overlaps or event.name in FAKE_ONLY:
             return seconds, how
-        framework, dispatch = self.overheads
+        framework, dispatch, _ = self.overheads
         return seconds + framework - (dispatch if how.startswith("timed") else 0.0), how
 
     def cost(self, event):
@@ -114,10 +122,11 @@ class Report(Datasheet):
         model = report.get("model") or {}
         gpus = [g for g in (report.get("gpu") or {}).values() if isinstance(g, dict) and "name" in g]
         self.overlaps = bool(gpus)
-        # Each operation's time is its fastest batch, when the other ranks left it a core: a CPU whose
-        # processes outnumber its cores (a test cluster runs its nodes on one host) gives each its share.
+        # The ranks time each operation at once, sharing their host's cores as they will train; where they
+        # outnumber the cores (a test cluster runs its nodes on one host), training takes whole turns.
         shared = 1.0 if gpus else cores_shared(report)
         self.timed = {key: row["seconds"] * shared for key, row in (model.get("operations") or {}).items()}
+        self.shared = shared
         measured = model.get("eager_overheads_s")  # on the nodes, by every rank
         self.measured_overheads = tuple(seconds * shared for seconds in measured) if measured else None
         self.measured_collectives = {(c["kind"], c["bytes"], c["group"], c["nodes"]): c["seconds"]
@@ -138,7 +147,11 @@ class Report(Datasheet):
 
     @functools.cached_property
     def overheads(self):
-        return self.measured_overheads or eager_overheads()
+        if self.measured_overheads is None:
+            return eager_overheads()
+        if len(self.measured_overheads) < 3:  # a report from before the first touch was measured: this host's
+            return (*self.measured_overheads, eager_overheads()[2] * self.shared)
+        return self.measured_overheads
 
     def roofline(self, event):
         if not (self.flops_per_s[torch.float32] and self.bytes_per_s):
@@ -193,7 +206,7 @@ class ThisDevice(Machine):
     @functools.cached_property
     def overheads(self):
         if self.report is not None and self.report.measured_overheads:
-            return self.report.measured_overheads
+            return self.report.overheads
         return tuple(seconds * self.shared for seconds in eager_overheads())
 
     def cost(self, event):
@@ -265,12 +278,13 @@ def machine_for(args, world_size):
 
 
 def cores_shared(report):
-    """Of a CPU cluster's report: how many turns of its busiest host's cores a stretch of every rank's work
-    takes (shares_of_cores)."""
+    """Of a CPU cluster's report, whose ranks timed the operations all at once: how much longer a stretch of
+    every rank's work takes in training, where the busiest host's cores run it in whole turns
+    (shares_of_cores), than in the timings, where they shared the cores evenly."""
     nodes = [node.get("hostname") for node in (report.get("nodes") or {}).values() if isinstance(node, dict)]
     per_host = max((nodes.count(host) for host in nodes), default=1) * report["world"]["ranks_per_node"]
     cores = least(node_figures(report, "cpu"), "cores", 1)
-    return shares_of_cores(per_host, cores) if cores else 1.0
+    return shares_of_cores(per_host, cores) / max(1.0, per_host / cores) if cores else 1.0
 
 
 def shares_of_cores(processes, cores):
