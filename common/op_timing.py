@@ -16,12 +16,11 @@ from torch.utils._pytree import tree_leaves, tree_map
 # A timed operation's calls run in batches of BATCH_SECONDS, at least MIN_BATCHES of them and
 # MIN_TIMED_SECONDS in all (at most MAX_BATCHES), after a call that warms it up.
 BATCH_SECONDS = 0.002
-MIN_BATCHES, MAX_BATCHES, MIN_TIMED_SECONDS = 3, 10, 0.01
+MIN_BATCHES, MAX_BATCHES, MIN_TIMED_SECONDS = 5, 10, 0.01
 MAX_CALLS = 4**6
 # More than the last-level cache of a CPU (tens of MB) or a GPU's L2 (50 MB on an H100).
 CACHE_BYTES = {"cpu": 128 << 20, "cuda": 256 << 20}
 MAX_COPIES = 64
-FIRST_TOUCH_BYTES = 64 << 20
 # A step traced on a CPU records CPU flash attention: what a GPU runs in its place is timed there instead.
 CPU_ATTENTION = {"aten._scaled_dot_product_flash_attention_for_cpu.default": "forward",
                  "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": "backward"}  # fmt: skip
@@ -154,14 +153,11 @@ def synchronize(device):
 
 
 def eager_overheads():
-    """(framework, dispatch, first touch): this host's seconds per operation of an eager training step beyond
-    the kernel, of dispatching one small operation alone, and per byte of memory a process writes for the
-    first time. framework: Python, modules, autograd and the dispatcher, from the forward and backward of a
-    small model whose kernels cost next to nothing, over the operations the dispatcher sees (views among
-    them). dispatch: what a replayed operation's own timing already holds of it. first touch: the pages the
-    system maps and zeroes on a first write, which a step pays for its activations (freed memory goes back
-    to the system, past the allocator's thresholds) and a replayed operation, reusing its memory, does not.
-    Each the median of three loops, as time_operation's."""
+    """(framework, dispatch): this host's seconds per operation of an eager training step beyond the
+    kernel, and of dispatching one small operation alone. framework: Python, modules, autograd and the
+    dispatcher, from the forward and backward of a small model whose kernels cost next to nothing, over the
+    operations the dispatcher sees (views among them, as in a recorded step). dispatch: what a replayed
+    operation's own timing already holds of it. Each the median of three loops, as time_operation's."""
     layers = [[torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)] for _ in range(8)]
     model, inputs = torch.nn.Sequential(*sum(layers, [])), torch.ones(4, 8)
 
@@ -172,10 +168,7 @@ def eager_overheads():
     with OperationCount() as count:
         step()
     ones, add = torch.ones(4), torch.ops.aten.add.Tensor
-    # Larger than glibc's largest threshold for mapping an allocation of its own (32 MB): each is new pages.
-    fresh_elements = FIRST_TOUCH_BYTES // 4
-    reused = torch.empty(fresh_elements)
-    framework, dispatch, first_touch = [], [], []
+    framework, dispatch = [], []
     for _ in range(3):
         started = time.perf_counter()
         for _ in range(20):
@@ -185,13 +178,7 @@ def eager_overheads():
         for _ in range(1000):
             add(ones, ones)
         dispatch.append((time.perf_counter() - started) / 1000)
-        started = time.perf_counter()
-        reused.fill_(1.0)
-        rewrite = time.perf_counter() - started
-        started = time.perf_counter()
-        torch.empty(fresh_elements).fill_(1.0)
-        first_touch.append(max(0.0, time.perf_counter() - started - rewrite) / FIRST_TOUCH_BYTES)
-    return statistics.median(framework), statistics.median(dispatch), statistics.median(first_touch)
+    return statistics.median(framework), statistics.median(dispatch)
 
 
 class OperationCount(TorchDispatchMode):

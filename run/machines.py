@@ -38,11 +38,6 @@ class Machine:
     def __init__(self, name):
         self.name, self.notes, self.timed = name, [], {}
 
-    def first_touch_seconds(self, size):
-        """What writing `size` bytes of memory the step has not held before adds: on a CPU, the pages the
-        system maps and zeroes; none on a GPU, whose caching allocator keeps its memory from step to step."""
-        return 0.0 if self.overlaps else size * self.overheads[2]
-
     def issue_seconds(self, event):
         """The host's time to issue an event: dispatching it (as measured on this host) and, for an
         operation that computes, launching its kernel. 0 where the device runs what the host issues."""
@@ -52,8 +47,7 @@ class Machine:
 
     @functools.cached_property
     def overheads(self):
-        """(framework, dispatch, first touch): an eager step's seconds per operation on this host, and per byte
-        of new memory (eager_overheads)."""
+        """(framework, dispatch) seconds per operation of an eager step on this host (eager_overheads)."""
         return eager_overheads()
 
     def seconds(self, event):
@@ -64,8 +58,8 @@ class Machine:
         seconds, how = self.cost(event)
         if self.overlaps or event.name in FAKE_ONLY:
             return seconds, how
-        framework, dispatch, _ = self.overheads
-        return seconds + framework - (dispatch if how.startswith("timed") else 0.0), how
+        framework, dispatch = self.overheads
+        return seconds + framework * event.host_scale - (dispatch if how.startswith("timed") else 0.0), how
 
     def cost(self, event):
         if event.collective:
@@ -124,9 +118,9 @@ class Report(Datasheet):
         self.overlaps = bool(gpus)
         # The ranks time each operation at once, sharing their host's cores as they will train; where they
         # outnumber the cores (a test cluster runs its nodes on one host), training takes whole turns.
-        shared = 1.0 if gpus else cores_shared(report)
+        processes, cores = busiest_host(report)
+        shared = 1.0 if gpus or not cores else shares_of_cores(processes, cores) / max(1.0, processes / cores)
         self.timed = {key: row["seconds"] * shared for key, row in (model.get("operations") or {}).items()}
-        self.shared = shared
         measured = model.get("eager_overheads_s")  # on the nodes, by every rank
         self.measured_overheads = tuple(seconds * shared for seconds in measured) if measured else None
         self.measured_collectives = {(c["kind"], c["bytes"], c["group"], c["nodes"]): c["seconds"]
@@ -147,11 +141,7 @@ class Report(Datasheet):
 
     @functools.cached_property
     def overheads(self):
-        if self.measured_overheads is None:
-            return eager_overheads()
-        if len(self.measured_overheads) < 3:  # a report from before the first touch was measured: this host's
-            return (*self.measured_overheads, eager_overheads()[2] * self.shared)
-        return self.measured_overheads
+        return self.measured_overheads or eager_overheads()
 
     def roofline(self, event):
         if not (self.flops_per_s[torch.float32] and self.bytes_per_s):
@@ -206,7 +196,7 @@ class ThisDevice(Machine):
     @functools.cached_property
     def overheads(self):
         if self.report is not None and self.report.measured_overheads:
-            return self.report.overheads
+            return self.report.measured_overheads
         return tuple(seconds * self.shared for seconds in eager_overheads())
 
     def cost(self, event):
@@ -277,14 +267,11 @@ def machine_for(args, world_size):
     return report or Datasheet(args.gpu)
 
 
-def cores_shared(report):
-    """Of a CPU cluster's report, whose ranks timed the operations all at once: how much longer a stretch of
-    every rank's work takes in training, where the busiest host's cores run it in whole turns
-    (shares_of_cores), than in the timings, where they shared the cores evenly."""
+def busiest_host(report):
+    """(processes, cores) of a CPU cluster's busiest host: cores None where the report does not say."""
     nodes = [node.get("hostname") for node in (report.get("nodes") or {}).values() if isinstance(node, dict)]
     per_host = max((nodes.count(host) for host in nodes), default=1) * report["world"]["ranks_per_node"]
-    cores = least(node_figures(report, "cpu"), "cores", 1)
-    return shares_of_cores(per_host, cores) / max(1.0, per_host / cores) if cores else 1.0
+    return per_host, least(node_figures(report, "cpu"), "cores", 1)
 
 
 def shares_of_cores(processes, cores):

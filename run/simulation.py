@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import statistics
 import sys
 import time
 import types
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from common.datasheet import datasheet
 from common.node import available_memory_bytes
+from common.op_timing import OperationCount, eager_overheads
 from run import live_prediction
 from run.curves import duration
 from run.launch import device_mesh
@@ -53,6 +55,9 @@ MEMORY_CATEGORIES = {
 
 OFFLOADED = ("sharded parameters", "gradients", "optimizer state")
 
+# The miniature whose step gives the model's own host time per operation (host_scale).
+MINIATURE_HEAD_DIM, MINIATURE_VOCAB, MINIATURE_TOKENS, MINIATURE_STEPS = 8, 64, (1, 16), 5
+
 DDP_ESTIMATE = (
     "estimated for DDP: FSDP simulated at world size 1 (every rank holds the whole model, as DDP does), plus "
     "DDP's gradient buckets, 4 bytes a parameter"
@@ -75,18 +80,17 @@ SIMULATION_BLIND_SPOTS = (
 )
 
 
-def simulate_step(args, model_config, world_size, training, ranks_per_node, fused):
+def simulate_step(args, model_config, world_size, training, ranks_per_node, fused, accumulation):
     """One optimizer step, the second of two (the first allocates the optimizer state, and fake DTensors
     allocate extra once), on fake tensors: peak bytes per GPU by category, and the step's events as one rank
-    runs them (run/predict.py). Two micro-steps stand for any accumulation: with gradients reduce-scattered
-    every micro-step, the third looks like the second. ranks_per_node: to tell collectives inside a node from
+    runs them (run/predict.py). accumulation: the run's micro-steps a step, of which two stand for any more:
+    with gradients reduce-scattered every micro-step, the third looks like the second. ranks_per_node: to tell collectives inside a node from
     those between nodes, and a hybrid mesh's shard group where --shard_group_size leaves it to a node's ranks;
     fused: AdamW's fused kernels (a GPU's) or its foreach ones."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    accumulation = min(2, args.global_batch_size // (args.batch_size * world_size))
     simulated = copy.copy(args)
     simulated.cpu_offload = False  # see report_dry_run: offloading is subtracted, not simulated
     simulated.compile = False  # inductor does not run on fake tensors; eager keeps at least what it keeps
@@ -119,6 +123,58 @@ def simulate_step(args, model_config, world_size, training, ranks_per_node, fuse
     return memory, phases(recorder.events)
 
 
+def host_scale(args, model_config, training, accumulation):
+    """How much more host time this model's step spends on each operation it dispatches than the small model
+    of eager_overheads: Python, its modules' code, FSDP's or DDP's hooks, checkpointing's recomputation. Found
+    by stepping a miniature of the model (miniature()), built, wrapped and stepped as training does it, on a
+    one-rank group. Where a CPU runs what it issues, each operation is charged the host's time per operation
+    times this (run/machines.py)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    mini, options = miniature(model_config), copy.copy(args)
+    options.sharding = "full" if args.sharding == "hybrid" else args.sharding  # one rank has no second dimension
+    options.cpu_offload, options.compile, options.batch_size = False, False, MINIATURE_TOKENS[0]
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = training.build_model(mini, options, torch.device("cpu"), device_mesh(options, "cpu", 1, 1))
+        with torch.no_grad():  # weights of the scale of training's: finite gradients, the optimizer steps
+            for parameter in model.parameters():
+                parameter.normal_(0.0, 0.02)
+        model = DistributedDataParallel(model) if options.sharding == "ddp" else model
+        optimizer = training.build_optimizer(model, options, fused=False)
+        tokens = torch.randint(0, mini.vocab_size, MINIATURE_TOKENS)
+        batches = itertools.repeat((tokens, tokens))
+
+        def step():
+            training.train_step(model, batches, optimizer, accumulation, args.grad_clip, StopRequests())
+
+        step()
+        with OperationCount() as count:
+            step()
+        seconds = []
+        for _ in range(MINIATURE_STEPS):
+            started = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - started)
+    finally:
+        dist.destroy_process_group()
+    return statistics.median(seconds) / count.calls / eager_overheads()[0]
+
+
+def miniature(model_config):
+    """The model at its depth, with its code and its heads, its widths cut to MINIATURE_HEAD_DIM a head: its
+    kernels cost next to nothing beside the host's work of issuing them."""
+    mini = copy.deepcopy(model_config)
+    mini.hidden_size = model_config.num_attention_heads * MINIATURE_HEAD_DIM
+    if getattr(mini, "head_dim", None):
+        mini.head_dim = MINIATURE_HEAD_DIM
+    for name in ("intermediate_size", "n_inner"):
+        if getattr(mini, name, None):
+            setattr(mini, name, 4 * MINIATURE_HEAD_DIM)
+    mini.vocab_size = MINIATURE_VOCAB
+    return mini
+
+
 def simulate(args, model_config, world_size, n_params, training, ranks_per_node=None, fused=None):
     """Peak per GPU in GB by category, and the step's events (run/predict.py), for the dry run's target (a GPU
     of --gpus_per_node a node, with fused AdamW; or --gpu=cpu) unless ranks_per_node and fused say. DDP's
@@ -126,13 +182,19 @@ def simulate(args, model_config, world_size, n_params, training, ranks_per_node=
     from GPU ones: both are estimated from a simulation (see DDP_ESTIMATE and OFFLOAD_ESTIMATE)."""
     ranks_per_node = ranks_per_node or min(args.gpus_per_node, world_size)
     fused = args.gpu != "cpu" if fused is None else fused
+    accumulation = min(2, args.global_batch_size // (args.batch_size * world_size))
     if args.sharding == "ddp":
-        memory, events = simulate_step(
-            types.SimpleNamespace(**dict(vars(args), sharding="full")), model_config, 1, training, 1, fused
-        )
+        as_full = types.SimpleNamespace(**dict(vars(args), sharding="full"))
+        memory, events = simulate_step(as_full, model_config, 1, training, 1, fused, accumulation)
         memory["gradients"] += 4 * n_params
     else:
-        memory, events = simulate_step(args, model_config, world_size, training, ranks_per_node, fused)
+        memory, events = simulate_step(
+            args, model_config, world_size, training, ranks_per_node, fused, accumulation
+        )
+    if not fused:  # a CPU, which runs what it issues: the host's time counts (run/machines.py)
+        scale = host_scale(args, model_config, training, accumulation)
+        for event in events:
+            event.host_scale = scale
     if args.cpu_offload:
         memory.update({name: 0 for name in OFFLOADED})
     return {name: size / 1e9 for name, size in memory.items()}, events
