@@ -45,7 +45,7 @@ class Event:
     grad_enabled: bool  # a recomputation inside the backward has grad enabled; the backward's own ops not
     collective: tuple | None = None  # (kind, bytes, group size, nodes spanned)
     in_layer: bool = False  # inside a decoder layer's forward, which the ranks time as they train
-    host_scale: float = 1.0  # the model's host time per operation over a small model's (simulation.host_scale)
+    host_scale: float = 1.0  # the model's host time an operation over a small model's (run/simulation.py)
     phase: str = ""  # forward, recomputation, backward, optimizer (set by phases())
 
     @functools.cached_property

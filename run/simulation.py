@@ -84,9 +84,10 @@ def simulate_step(args, model_config, world_size, training, ranks_per_node, fuse
     """One optimizer step, the second of two (the first allocates the optimizer state, and fake DTensors
     allocate extra once), on fake tensors: peak bytes per GPU by category, and the step's events as one rank
     runs them (run/predict.py). accumulation: the run's micro-steps a step, of which two stand for any more:
-    with gradients reduce-scattered every micro-step, the third looks like the second. ranks_per_node: to tell collectives inside a node from
-    those between nodes, and a hybrid mesh's shard group where --shard_group_size leaves it to a node's ranks;
-    fused: AdamW's fused kernels (a GPU's) or its foreach ones."""
+    with gradients reduce-scattered every micro-step, the third looks like the second. ranks_per_node: to
+    tell collectives inside a node from those between nodes, and a hybrid mesh's shard group where
+    --shard_group_size leaves it to a node's ranks; fused: AdamW's fused kernels (a GPU's) or its foreach
+    ones."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -132,7 +133,8 @@ def host_scale(args, model_config, training, accumulation):
     from torch.nn.parallel import DistributedDataParallel
 
     mini, options = miniature(model_config), copy.copy(args)
-    options.sharding = "full" if args.sharding == "hybrid" else args.sharding  # one rank has no second dimension
+    # One rank has no mesh of two dimensions: hybrid's hooks are full's.
+    options.sharding = "full" if args.sharding == "hybrid" else args.sharding
     options.cpu_offload, options.compile, options.batch_size = False, False, MINIATURE_TOKENS[0]
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
