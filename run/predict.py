@@ -27,7 +27,10 @@ COLLECTIVES = {"allgather": "all-gather", "all_gather": "all-gather", "reduce_sc
 COMM_STREAM_COPIES = {"fsdp.all_gather_copy_in.default", "fsdp.chunk_cat.default"}
 # Fake tensors' queries of their device: recorded, never dispatched by an eager step on real tensors.
 FAKE_ONLY = {"prim.device.default"}
-HOST_SYNC = {"aten._local_scalar_dense.default"}  # the host waits for the device: .item(), .tolist()
+# DDP's gradient all-reduce, which its C++ reducer issues where no dispatch mode sees it, in its buckets.
+DDP_ALL_REDUCE, DDP_BUCKET_BYTES = "ddp.all_reduce.buckets", 25 * 2**20
+# The host waits for the device: .item(), .tolist(); DDP's reducer, for its all-reduce, before the optimizer.
+HOST_SYNC = {"aten._local_scalar_dense.default", DDP_ALL_REDUCE}
 
 
 @dataclasses.dataclass
@@ -183,6 +186,22 @@ def with_accumulation(events, traced, accumulation):
     last = starts[-1]
     optimizer = next(index for index, event in enumerate(events) if event.phase == "optimizer")
     return events[:optimizer] + events[last:optimizer] * (accumulation - traced) + events[optimizer:]
+
+
+def with_ddp_all_reduce(events, gradient_bytes, world_size, nodes):
+    """A DDP step's events: the step as traced without DDP (run/simulation.py), and before the optimizer,
+    the all-reduce of every gradient in DDP's buckets."""
+    optimizer = next(index for index, event in enumerate(events) if event.phase == "optimizer")
+    buckets = [
+        min(DDP_BUCKET_BYTES, gradient_bytes - start) for start in range(0, gradient_bytes, DDP_BUCKET_BYTES)
+    ]
+    all_reduce = [
+        Event(name=DDP_ALL_REDUCE, args=(), kwargs={}, reads=(), writes=(), flops=0, bytes=size,
+              backward=False, grad_enabled=False, collective=("all-reduce", size, world_size, nodes),
+              phase="optimizer")
+        for size in buckets
+    ]  # fmt: skip
+    return events[:optimizer] + all_reduce + events[optimizer:]
 
 
 @dataclasses.dataclass

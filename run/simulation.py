@@ -27,7 +27,7 @@ from run.live_prediction import LivePrediction
 from run.machines import Report, ThisDevice, machine_for, processes_here, read_report
 from run.options import gpu_memory_gb, launched_world_size
 from run.plan import fastest, has_auto, plan, print_plan
-from run.predict import StepRecorder, phases, play, with_accumulation
+from run.predict import StepRecorder, phases, play, with_accumulation, with_ddp_all_reduce
 from run.progress import describe_model
 from run.stops import StopRequests
 
@@ -141,7 +141,7 @@ def host_scale(args, model_config, training, accumulation):
         model = training.build_model(mini, options, torch.device("cpu"), device_mesh(options, "cpu", 1, 1))
         with torch.no_grad():  # weights of the scale of training's: finite gradients, the optimizer steps
             for parameter in model.parameters():
-                parameter.normal_(0.0, 0.02)
+                getattr(parameter, "_local_tensor", parameter).normal_(0.0, 0.02)
         model = DistributedDataParallel(model) if options.sharding == "ddp" else model
         optimizer = training.build_optimizer(model, options, fused=False)
         tokens = torch.randint(0, mini.vocab_size, MINIATURE_TOKENS)
@@ -189,6 +189,9 @@ def simulate(args, model_config, world_size, n_params, training, ranks_per_node=
         as_full = types.SimpleNamespace(**dict(vars(args), sharding="full"))
         memory, events = simulate_step(as_full, model_config, 1, training, 1, fused, accumulation)
         memory["gradients"] += 4 * n_params
+        if world_size > 1:
+            nodes = max(1, world_size // ranks_per_node)
+            events = with_ddp_all_reduce(events, 4 * n_params, world_size, nodes)
     else:
         memory, events = simulate_step(
             args, model_config, world_size, training, ranks_per_node, fused, accumulation
