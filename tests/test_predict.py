@@ -3,6 +3,7 @@
 says the prediction and the plan. (test_diagnose.py holds a training run's live step against it.)"""
 
 import copy
+import dataclasses
 import re
 import shlex
 import sys
@@ -18,7 +19,7 @@ from common.errors import ConfigError
 from common.op_timing import CPU_ATTENTION, replay, resolve
 from run import live_prediction, plan, simulation
 from run.machines import Report
-from run.predict import Prediction, play
+from run.predict import DDP_ALL_REDUCE, FAKE_ONLY, Prediction, play
 
 TINY_STEP = ["--model=tiny", "--compile=False", "--batch_size=4", "--global_batch_size=8", "--seq_length=64"]
 SIZES = [2**20 * 4**power for power in range(6)]  # 1 MiB to 1 GiB, as the benchmark's default sweep
@@ -112,6 +113,59 @@ def test_a_candidate_that_does_not_fit_is_never_picked():
     assert plan.fastest(squeezed) == fitting[0][0] and len(fitting) < len(squeezed)
     with pytest.raises(ConfigError, match="no candidate"):
         plan.fastest(plan.plan(cfg, config, 2, 0, training, machine, peaks[0] / 2, simulation.simulate))
+
+
+def cpu_report(framework_s=20e-6, busbw_GBps=1.0):
+    """A report of one host of 2 cores running 2 ranks, as benchmark.py --train_args writes one on a CPU."""
+    return {"world": {"device": "cpu", "ranks": 2, "nodes": 1, "ranks_per_node": 2},
+            "nodes": {"node0 (h)": {"hostname": "h"}},
+            "cpu": {"node0 (h)": {"cores": 2, "matmul_fp32_GFLOPS": 50.0}},
+            "memory": {"node0 (h)": {"copy_all_cores_GB/s": 10.0}},
+            "nccl": {"all_reduce": sweep(busbw_GBps)},
+            "model": {"eager_overheads_s": [framework_s, 2e-6]}}  # fmt: skip
+
+
+@SIMULATES
+def test_on_a_cpu_each_operation_an_eager_step_dispatches_is_charged_the_models_host_time(step):
+    """A CPU runs what it issues: each recorded operation costs its kernel and the host's time per operation
+    (the report's, times the model's own scale); fake tensors' device queries, which an eager step never
+    dispatches, cost nothing."""
+    machine = Report("r.yaml", cpu_report())
+    scaled = [dataclasses.replace(event, host_scale=event.host_scale + 1.0) for event in step]
+    dispatched = [event for event in step if event.name not in FAKE_ONLY]
+    assert 0 < len(dispatched) < len(step)  # the trace holds device queries
+    added = play(scaled, machine).step_s - play(step, machine).step_s
+    assert added == pytest.approx(len(dispatched) * 20e-6)
+
+
+@SIMULATES
+def test_a_ddp_step_all_reduces_every_gradient_at_its_own_accumulation(step):
+    """DDP's C++ reducer all-reduces the gradients where no dispatch mode sees it: the prediction adds it, in
+    DDP's buckets, over the whole world; the step is traced with the run's micro-steps (one here: global
+    batch 8 over 2 ranks of 4), not those a world of one would take."""
+    cfg = parse_options(["--dry_run", *TINY_STEP, "--world_size=2", "--sharding=ddp"])
+    config = train_script.build_model_config(validated(cfg))
+    n_params = sum(p.numel() for p in train_script.build_meta_model(config).parameters())
+    _, events = simulation.simulate(cfg, config, 2, n_params, train_script.training_path())
+    reduced = [event.collective for event in events if event.name == DDP_ALL_REDUCE]
+    assert sum(size for _, size, _, _ in reduced) == 4 * n_params and {c[2] for c in reduced} == {2}
+    embeddings = [sum(event.name == "aten.embedding.default" for event in e) for e in (events, step)]
+    assert embeddings[0] == embeddings[1] > 0  # as many forwards as full sharding's one micro-step
+    fast, slow = (play(events, Report("r.yaml", cpu_report(busbw_GBps=rate))) for rate in (1.0, 0.5))
+    assert slow.parts["exposed all-reduce"] > fast.parts["exposed all-reduce"] > 0
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-llama", "tiny-mixtral"])
+def test_the_miniature_of_each_family_steps_and_gives_the_models_host_time(model):
+    """The model's own host time per operation comes from stepping a miniature of it, built and wrapped as
+    training does: the same depth and heads, narrow widths, in every family."""
+    cfg = parse_options(["--dry_run", "--gpu=cpu", *TINY_STEP, f"--model={model}", "--world_size=1"])
+    config = train_script.build_model_config(validated(cfg))
+    mini = simulation.miniature(config)
+    assert mini.num_hidden_layers == config.num_hidden_layers
+    assert mini.num_attention_heads == config.num_attention_heads and mini.hidden_size < config.hidden_size
+    scale = simulation.host_scale(cfg, config, train_script.training_path(), 1)
+    assert 0.1 < scale < 100
 
 
 def run_main(capsys, *args):
