@@ -27,7 +27,8 @@ def simulated_peak(*args, world_size):
     config = train_script.build_model_config(shape)
     ranks_per_node = min(cfg.gpus_per_node, world_size)
     training = train_script.training_path()
-    return simulation.simulate_step(cfg, config, world_size, training, ranks_per_node, fused=True)[0]
+    accumulation = min(2, cfg.global_batch_size // (cfg.batch_size * world_size))
+    return simulation.simulate_step(cfg, config, world_size, training, ranks_per_node, True, accumulation)[0]
 
 
 def dry_run(capsys, *args):
