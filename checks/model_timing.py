@@ -114,6 +114,9 @@ def model_section(world: World, cfg: dict, step) -> dict:
                          "seconds": slowest.item(), "calls": calls})  # fmt: skip
     section = {"train_args": train_args, "world_size": world.size, "operations": timed,
                "collectives": measured}  # fmt: skip
-    if overheads:  # a CPU's eager step: what each operation costs beyond its kernel (run/machines.py)
-        section["eager_overheads_s"] = [statistics.median(one[part] for one in overheads) for part in (0, 1)]
+    # A CPU's eager step: each operation's cost beyond its kernel, and a new byte's (run/machines.py).
+    if overheads:
+        section["eager_overheads_s"] = [
+            statistics.median(one[part] for one in overheads) for part in range(3)
+        ]
     return section

@@ -38,6 +38,11 @@ class Machine:
     def __init__(self, name):
         self.name, self.notes, self.timed = name, [], {}
 
+    def first_touch_seconds(self, size):
+        """What writing `size` bytes the step has not held before adds: on a CPU, the pages the system maps
+        and zeroes again every step; none on a GPU, whose caching allocator keeps its memory."""
+        return 0.0 if self.overlaps else size * self.overheads[2]
+
     def issue_seconds(self, event):
         """The host's time to issue an event: dispatching it (as measured on this host) and, for an
         operation that computes, launching its kernel. 0 where the device runs what the host issues."""
@@ -47,7 +52,8 @@ class Machine:
 
     @functools.cached_property
     def overheads(self):
-        """(framework, dispatch) seconds per operation of an eager step on this host (eager_overheads)."""
+        """(framework, dispatch, first touch): an eager step's seconds per operation on this host, and per new
+        byte (eager_overheads)."""
         return eager_overheads()
 
     def seconds(self, event):
@@ -58,7 +64,7 @@ class Machine:
         seconds, how = self.cost(event)
         if self.overlaps or event.name in FAKE_ONLY:
             return seconds, how
-        framework, dispatch = self.overheads
+        framework, dispatch, _ = self.overheads
         return seconds + framework * event.host_scale - (dispatch if how.startswith("timed") else 0.0), how
 
     def cost(self, event):
@@ -121,8 +127,10 @@ class Report(Datasheet):
         processes, cores = busiest_host(report)
         shared = 1.0 if gpus or not cores else shares_of_cores(processes, cores) / max(1.0, processes / cores)
         self.timed = {key: row["seconds"] * shared for key, row in (model.get("operations") or {}).items()}
-        measured = model.get("eager_overheads_s")  # on the nodes, by every rank
-        self.measured_overheads = tuple(seconds * shared for seconds in measured) if measured else None
+        measured = model.get("eager_overheads_s")  # on the nodes, by every rank; all three, or this host's
+        self.measured_overheads = (
+            tuple(s * shared for s in measured) if measured and len(measured) == 3 else None
+        )
         self.measured_collectives = {(c["kind"], c["bytes"], c["group"], c["nodes"]): c["seconds"]
                                      for c in model.get("collectives") or []}  # fmt: skip
         if gpus:
@@ -197,7 +205,12 @@ class ThisDevice(Machine):
     def overheads(self):
         if self.report is not None and self.report.measured_overheads:
             return self.report.measured_overheads
-        return tuple(seconds * self.shared for seconds in eager_overheads())
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)  # a first touch is faster on more threads
+        try:
+            return tuple(seconds * self.shared for seconds in eager_overheads())
+        finally:
+            torch.set_num_threads(threads)
 
     def cost(self, event):
         if self.report is not None and event.key in self.report.timed:  # timed on every rank, shared

@@ -49,6 +49,7 @@ class Event:
     collective: tuple | None = None  # (kind, bytes, group size, nodes spanned)
     in_layer: bool = False  # inside a decoder layer's forward, which the ranks time as they train
     host_scale: float = 1.0  # the model's host time an operation over a small model's (run/simulation.py)
+    allocates: tuple = ()  # (storage, bytes) of each new storage it returns
     phase: str = ""  # forward, recomputation, backward, optimizer (set by phases())
 
     @functools.cached_property
@@ -98,13 +99,17 @@ class StepRecorder(TorchDispatchMode):
         named = dict(zip((argument.name for argument in func._schema.arguments), args)) | kwargs
         reads = storages((args, kwargs))
         writes = storages(out) + storages([named[name] for name in mutated if name in named])
+        allocates = {}  # the new storages it returns, whose pages a CPU step touches for the first time
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage()._cdata not in reads:
+                allocates[leaf.untyped_storage()._cdata] = leaf.untyped_storage().nbytes()
         self.events.append(
             Event(
                 name=str(func), args=tree_map(TensorMeta.of, args), kwargs=tree_map(TensorMeta.of, kwargs),
                 reads=reads, writes=writes, flops=operation_flops(func, args, kwargs, out),
                 bytes=tensor_bytes((args, kwargs, out)), backward=torch._C._current_graph_task_id() != -1,
                 grad_enabled=torch.is_grad_enabled(), collective=self.collective(func, args),
-                in_layer=self.in_layer,
+                in_layer=self.in_layer, allocates=tuple(allocates.items()),
             )
         )  # fmt: skip
         return out
@@ -204,6 +209,30 @@ def with_ddp_all_reduce(events, gradient_bytes, world_size, nodes):
     return events[:optimizer] + all_reduce + events[optimizer:]
 
 
+def fresh_bytes(events):
+    """Per event, the bytes of memory it writes that the step has not held before: what its new storages add
+    to the step's high-water mark of live memory, a storage living from the event that returns it to the
+    last that uses it (its address, once it is freed, may name a new one)."""
+    freed, last, live_size = [[] for _ in events], {}, {}
+    for index, event in enumerate(events):
+        for storage, size in event.allocates:
+            if storage in live_size:
+                freed[last[storage]].append(live_size[storage])
+            live_size[storage], last[storage] = size, index
+        for storage in event.reads + event.writes:
+            if storage in live_size:
+                last[storage] = index
+    for storage, size in live_size.items():
+        freed[last[storage]].append(size)
+    fresh, live, high = [], 0, 0
+    for event, given_back in zip(events, freed):
+        live += sum(size for _, size in event.allocates)
+        fresh.append(max(0, live - high))
+        high = max(high, live)
+        live -= sum(given_back)
+    return fresh
+
+
 @dataclasses.dataclass
 class Prediction:
     step_s: float
@@ -233,11 +262,12 @@ def play(events, machine):
     compute by phase, the time compute waited for each kind of collective (exposed), the optimizer, the
     rest (the host falling behind the device)."""
     finish, writer, free, costed = [], {}, {"host": 0.0, "compute": 0.0, "comm": 0.0}, {}
-
+    fresh = fresh_bytes(events)
     parts = dict.fromkeys(("forward", "backward", "recomputation", "optimizer", "rest"), 0.0)
     layer_forward = 0.0
     for index, event in enumerate(events):
         seconds, source = machine.seconds(event)
+        seconds += machine.first_touch_seconds(fresh[index])
         costed[source] = costed.get(source, 0) + 1
         stream = (
             "comm"
