@@ -19,7 +19,7 @@ from common.errors import ConfigError
 from common.op_timing import CPU_ATTENTION, replay, resolve
 from run import live_prediction, plan, simulation
 from run.machines import Report
-from run.predict import DDP_ALL_REDUCE, FAKE_ONLY, Prediction, play
+from run.predict import DDP_ALL_REDUCE, FAKE_ONLY, Prediction, fresh_bytes, play
 
 TINY_STEP = ["--model=tiny", "--compile=False", "--batch_size=4", "--global_batch_size=8", "--seq_length=64"]
 SIZES = [2**20 * 4**power for power in range(6)]  # 1 MiB to 1 GiB, as the benchmark's default sweep
@@ -115,14 +115,14 @@ def test_a_candidate_that_does_not_fit_is_never_picked():
         plan.fastest(plan.plan(cfg, config, 2, 0, training, machine, peaks[0] / 2, simulation.simulate))
 
 
-def cpu_report(framework_s=20e-6, busbw_GBps=1.0):
+def cpu_report(framework_s=20e-6, busbw_GBps=1.0, first_touch_s=1e-10):
     """A report of one host of 2 cores running 2 ranks, as benchmark.py --train_args writes one on a CPU."""
     return {"world": {"device": "cpu", "ranks": 2, "nodes": 1, "ranks_per_node": 2},
             "nodes": {"node0 (h)": {"hostname": "h"}},
             "cpu": {"node0 (h)": {"cores": 2, "matmul_fp32_GFLOPS": 50.0}},
             "memory": {"node0 (h)": {"copy_all_cores_GB/s": 10.0}},
             "nccl": {"all_reduce": sweep(busbw_GBps)},
-            "model": {"eager_overheads_s": [framework_s, 2e-6]}}  # fmt: skip
+            "model": {"eager_overheads_s": [framework_s, 2e-6, first_touch_s]}}  # fmt: skip
 
 
 @SIMULATES
@@ -136,6 +136,17 @@ def test_on_a_cpu_each_operation_an_eager_step_dispatches_is_charged_the_models_
     assert 0 < len(dispatched) < len(step)  # the trace holds device queries
     added = play(scaled, machine).step_s - play(step, machine).step_s
     assert added == pytest.approx(len(dispatched) * 20e-6)
+
+
+@SIMULATES
+def test_on_a_cpu_the_memory_a_step_takes_anew_costs_its_first_touch(step):
+    """A CPU step gives back its activations and takes them again next step: each byte above the step's
+    high-water mark costs the report's first touch; on a GPU, whose allocator keeps its memory, nothing."""
+    fresh = sum(fresh_bytes(step))
+    assert 0 < fresh < sum(size for event in step for _, size in event.allocates)  # memory is reused
+    slow, fast = (play(step, Report("r.yaml", cpu_report(first_touch_s=rate))) for rate in (2e-10, 1e-10))
+    assert slow.step_s - fast.step_s == pytest.approx(fresh * 1e-10)
+    assert Report("r.yaml", gpu_report()).first_touch_seconds(fresh) == 0.0
 
 
 @SIMULATES
