@@ -59,8 +59,8 @@ class Machine:
     def seconds(self, event):
         """(seconds, how they were found) of one event on this machine. On a CPU, which runs what it issues,
         with the time an eager step spends on the event beyond its kernel: Python, modules, autograd and the
-        dispatcher (of which a timed operation already holds the dispatch); none for what only fake tensors
-        dispatch."""
+        dispatcher, this host's per operation times the model's own scale (Event.host_scale), less the
+        dispatch a timed operation already holds; none for what only fake tensors dispatch."""
         seconds, how = self.cost(event)
         if self.overlaps or event.name in FAKE_ONLY:
             return seconds, how
