@@ -155,29 +155,14 @@ def synchronize(device):
 
 def eager_overheads():
     """(framework, dispatch, first touch): this host's seconds per operation of an eager training step beyond
-    the kernel, of dispatching one small operation alone, and per byte of memory written for the first time.
-    framework: Python, modules, autograd and the dispatcher, from the forward and backward of a small model
-    whose kernels cost next to nothing, over the operations the dispatcher sees (views among them, as in a
-    recorded step). dispatch: what a replayed operation's own timing already holds of it. first touch: the
-    pages the system maps and zeroes at a first write, which a training step pays again every step for the
-    memory it gives back (glibc returns the top of its heap past a threshold) and a replayed operation,
+    the kernel (framework_seconds), of dispatching one small operation alone, and per byte of memory written
+    for the first time. dispatch: what a replayed operation's own timing already holds of it. first touch:
+    the pages the system maps and zeroes at a first write, which a training step pays again every step for
+    the memory it gives back (glibc returns the top of its heap past a threshold) and a replayed operation,
     reusing its memory, does not. Each the median of its loops, as time_operation's."""
-    layers = [[torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)] for _ in range(8)]
-    model, inputs = torch.nn.Sequential(*sum(layers, [])), torch.ones(4, 8)
-
-    def step():
-        model(inputs).sum().backward()
-
-    step()  # warm-up
-    with OperationCount() as count:
-        step()
     ones, add = torch.ones(4), torch.ops.aten.add.Tensor
-    framework, dispatch, first_touch = [], [], []
+    dispatch, first_touch = [], []
     for _ in range(3):
-        started = time.perf_counter()
-        for _ in range(20):
-            step()
-        framework.append((time.perf_counter() - started) / 20 / count.calls)
         started = time.perf_counter()
         for _ in range(1000):
             add(ones, ones)
@@ -193,7 +178,29 @@ def eager_overheads():
         torch.empty(elements).fill_(1.0)
         first_touch.append(max(0.0, time.perf_counter() - started - rewrite) / FIRST_TOUCH_BYTES)
     # A process's first new mapping is quicker than the rest (measured: 50 against 280 ps a byte): left out.
-    return statistics.median(framework), statistics.median(dispatch), statistics.median(first_touch[1:])
+    return framework_seconds(), statistics.median(dispatch), statistics.median(first_touch[1:])
+
+
+def framework_seconds():
+    """Python, modules, autograd and the dispatcher: this host's seconds per operation of the forward and
+    backward of a small model whose kernels cost next to nothing, over the operations the dispatcher sees
+    (views among them, as in a recorded step). The median of three loops."""
+    layers = [[torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.LayerNorm(8)] for _ in range(8)]
+    model, inputs = torch.nn.Sequential(*sum(layers, [])), torch.ones(4, 8)
+
+    def step():
+        model(inputs).sum().backward()
+
+    step()  # warm-up
+    with OperationCount() as count:
+        step()
+    framework = []
+    for _ in range(3):
+        started = time.perf_counter()
+        for _ in range(20):
+            step()
+        framework.append((time.perf_counter() - started) / 20 / count.calls)
+    return statistics.median(framework)
 
 
 class OperationCount(TorchDispatchMode):

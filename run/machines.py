@@ -6,6 +6,7 @@ now; a report's figures (matmul rate, memory bandwidth, busbw per collective and
 datasheet."""
 
 import bisect
+import contextlib
 import functools
 import os
 
@@ -205,10 +206,16 @@ class ThisDevice(Machine):
     def overheads(self):
         if self.report is not None and self.report.measured_overheads:
             return self.report.measured_overheads
-        threads = torch.get_num_threads()
-        torch.set_num_threads(self.threads)  # a first touch is faster on more threads
-        try:
+        with self.rank_threads():  # a first touch is faster on more threads
             return tuple(seconds * self.shared for seconds in eager_overheads())
+
+    @contextlib.contextmanager
+    def rank_threads(self):
+        """Torch's threads set to a rank's share of the cores while the block runs."""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        try:
+            yield
         finally:
             torch.set_num_threads(threads)
 
@@ -216,12 +223,8 @@ class ThisDevice(Machine):
         if self.report is not None and event.key in self.report.timed:  # timed on every rank, shared
             return self.report.timed[event.key], "timed by the benchmark"
         if not (event.collective or event.free) and event.key not in self.timed:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(self.threads)
-            try:
+            with self.rank_threads():
                 seconds = time_operation(event.name, event.args, event.kwargs, self.device)
-            finally:
-                torch.set_num_threads(threads)
             self.timed[event.key] = seconds * self.shared if seconds is not None else None
         if event.key in self.timed and self.timed[event.key] is None:
             return self.roofline(event), "roofline"

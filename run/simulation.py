@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from common.datasheet import datasheet
 from common.node import available_memory_bytes
-from common.op_timing import OperationCount, eager_overheads
+from common.op_timing import OperationCount, framework_seconds
 from run import live_prediction
 from run.curves import duration
 from run.launch import device_mesh
@@ -126,10 +126,10 @@ def simulate_step(args, model_config, world_size, training, ranks_per_node, fuse
 
 def host_scale(args, model_config, training, accumulation):
     """How much more host time this model's step spends on each operation it dispatches than the small model
-    of eager_overheads: Python, its modules' code, FSDP's or DDP's hooks, checkpointing's recomputation. Found
-    by stepping a miniature of the model (miniature()), built, wrapped and stepped as training does it, on a
-    one-rank group. Where a CPU runs what it issues, each operation is charged the host's time per operation
-    times this (run/machines.py)."""
+    of framework_seconds: Python, its modules' code, FSDP's or DDP's hooks, checkpointing's recomputation.
+    Found by stepping a miniature of the model (miniature()), built, wrapped and stepped as training does
+    it, on a one-rank group. Where a CPU runs what it issues, each operation is charged the host's time per
+    operation times this (run/machines.py)."""
     from torch.nn.parallel import DistributedDataParallel
 
     mini, options = miniature(model_config), copy.copy(args)
@@ -160,7 +160,7 @@ def host_scale(args, model_config, training, accumulation):
             seconds.append(time.perf_counter() - started)
     finally:
         dist.destroy_process_group()
-    return statistics.median(seconds) / count.calls / eager_overheads()[0]
+    return statistics.median(seconds) / count.calls / framework_seconds()
 
 
 def miniature(model_config):
