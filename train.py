@@ -13,20 +13,15 @@ data, the model and the training step, each section opening with a comment bar. 
 run) is in the modules of run/, one owner each, which this file imports and which never import it.
 """
 
-import contextlib
-import copy
-import difflib
 import functools
 import gc
 import json
 import math
 import os
-import pickle
 import queue
 import sys
 import threading
 import time
-import types
 from typing import Literal
 
 if __name__ == "__main__":
@@ -37,18 +32,23 @@ if __name__ == "__main__":
 
 import numpy as np
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from common.errors import ConfigError, fail, report_config_error
+from common.errors import ConfigError, report_config_error
 from common.files import write_atomically
 from common.options import constants_of, parse_args, print_help
-from run import export, goodput, launch, options, prepare, run_log, safe_load, simulation, stops
+from run import export, goodput, launch, options, prepare, run_log, simulation, stops
 from run.checkpoints import Checkpointer
 from run.curves import plot_run
 from run.hub import use_cache_if_hub_unreachable
-from run.loss import linear_cross_entropy
+from run.model.build import build_model, init_or_load, never_packed_sequences
+from run.model.presets import (
+    build_meta_model,
+    build_model_config,
+    decoder_layers,
+    flops_per_token,
+    resolve_shape,
+)
+from run.model.step import build_optimizer, evaluate, lr_factor, train_step
 from run.plan import has_auto, settle
 from run.profiler import StepProfiler
 from run.progress import Progress, print_start
@@ -612,125 +612,6 @@ def prepare_data(args, tokenizer):
     return 0
 
 
-# --------------------------------------------------------------------------------------------------------
-# Model: presets; meta device -> activation checkpointing -> compile per block -> fully_shard (or DDP)
-# -> to_empty; then init or load (in main).
-# --------------------------------------------------------------------------------------------------------
-# The presets are a table: the formatter leaves its layout alone.
-# fmt: off
-GPT2_VOCAB = 50257  # token ids of the gpt2 tokenizer
-LLAMA2 = dict(vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)
-LLAMA3 = dict(vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5, num_key_value_heads=8,
-              rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
-                                   high_freq_factor=4.0, original_max_position_embeddings=8192))
-LLAMA3_2 = dict(LLAMA3, tie_word_embeddings=True,
-                rope_parameters=dict(LLAMA3["rope_parameters"], factor=32.0))
-# Mistral 7B v0.2's shape (v0.1's with rope theta 1e6 and no sliding window), which Mixtral 8x7B shares.
-MISTRAL = dict(vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5, hidden_size=4096,
-               intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-               sliding_window=None, rope_parameters=dict(rope_type="default", rope_theta=1e6))
-TINY_LLAMA = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, vocab_size=512)
-# A preset is a transformers config class and its arguments: the published shapes, no weights. GPT-2's
-# 4b: 3072 wide (head size 128, the fast path of flash attention; a multiple of 256 for tensor-core
-# tiles) and 34 layers give 4.01B parameters.
-MODEL_PRESETS = {
-    "tiny": ("GPT2Config", dict(n_embd=256, n_layer=2, n_head=4, n_positions=256, vocab_size=512)),
-    "gpt2": ("GPT2Config", dict(n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=GPT2_VOCAB)),
-    "gpt2-medium": ("GPT2Config", dict(n_embd=1024, n_layer=24, n_head=16, n_positions=1024,
-                                       vocab_size=GPT2_VOCAB)),
-    "gpt2-large": ("GPT2Config", dict(n_embd=1280, n_layer=36, n_head=20, n_positions=1024,
-                                      vocab_size=GPT2_VOCAB)),
-    "gpt2-xl": ("GPT2Config", dict(n_embd=1600, n_layer=48, n_head=25, n_positions=1024,
-                                   vocab_size=GPT2_VOCAB)),
-    "4b": ("GPT2Config", dict(n_embd=3072, n_layer=34, n_head=24, n_positions=2048, vocab_size=GPT2_VOCAB)),
-    "tiny-llama": ("LlamaConfig", dict(TINY_LLAMA, tie_word_embeddings=True)),
-    "tiny-mixtral": ("MixtralConfig", dict(TINY_LLAMA, intermediate_size=256, num_local_experts=4,
-                                           num_experts_per_tok=2)),
-    "llama2-7b": ("LlamaConfig", dict(LLAMA2, hidden_size=4096, intermediate_size=11008,
-                                      num_hidden_layers=32, num_attention_heads=32)),
-    "llama2-13b": ("LlamaConfig", dict(LLAMA2, hidden_size=5120, intermediate_size=13824,
-                                       num_hidden_layers=40, num_attention_heads=40)),
-    "llama2-70b": ("LlamaConfig", dict(LLAMA2, hidden_size=8192, intermediate_size=28672,
-                                       num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8)),
-    "llama3.1-8b": ("LlamaConfig", dict(LLAMA3, hidden_size=4096, intermediate_size=14336,
-                                        num_hidden_layers=32, num_attention_heads=32)),
-    "llama3.1-70b": ("LlamaConfig", dict(LLAMA3, hidden_size=8192, intermediate_size=28672,
-                                         num_hidden_layers=80, num_attention_heads=64)),
-    "llama3.2-1b": ("LlamaConfig", dict(LLAMA3_2, hidden_size=2048, intermediate_size=8192,
-                                        num_hidden_layers=16, num_attention_heads=32)),
-    "llama3.2-3b": ("LlamaConfig", dict(LLAMA3_2, hidden_size=3072, intermediate_size=8192,
-                                        num_hidden_layers=28, num_attention_heads=24)),
-    "mistral-7b": ("MistralConfig", MISTRAL),
-    "mixtral-8x7b": ("MixtralConfig", dict(MISTRAL, num_local_experts=8, num_experts_per_tok=2)),
-}
-# The shape constants in each family's own words (GPT2Config maps these to n_embd, n_layer, ...).
-SHAPE_NAMES = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
-               "n_positions": "max_position_embeddings", "vocab_size": "vocab_size"}
-# fmt: on
-
-
-def resolve_shape(args):
-    """The model's transformers config class, its arguments (the preset's, or the init_from model's) and
-    its shape with the shape constants applied."""
-    import transformers
-
-    if args.init_from:
-        options.missing_folder("--init_from", args.init_from)
-        try:
-            pretrained = transformers.AutoConfig.from_pretrained(args.init_from)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"--init_from={args.init_from}: {str(error).splitlines()[0]}") from None
-        config_class, arguments = type(pretrained), pretrained.to_dict()
-    elif args.model in MODEL_PRESETS:
-        class_name, arguments = MODEL_PRESETS[args.model]
-        config_class = getattr(transformers, class_name)
-    else:
-        close = difflib.get_close_matches(args.model, MODEL_PRESETS, n=1)
-        hint = f"did you mean {close[0]}? " if close else ""
-        raise ConfigError(f"--model={args.model} is not a preset; {hint}presets: {', '.join(MODEL_PRESETS)}")
-    shape = {name: arguments[config_class.attribute_map.get(key, key)] for name, key in SHAPE_NAMES.items()}
-    shape.update({name: getattr(args, name) for name in shape if getattr(args, name) is not None})
-    return types.SimpleNamespace(
-        config_class=config_class,
-        arguments=arguments,
-        pretrained=bool(args.init_from),
-        names=tuple(shape),
-        **shape,
-    )
-
-
-def padded_vocab(n_tokens):
-    """Vocabulary rounded up to a multiple of 64: the output layer's matmul runs faster."""
-    return (n_tokens + 63) // 64 * 64
-
-
-def build_model_config(shape, tokenizer=None, vocab_size=None):
-    """The transformers config: the preset's arguments with the shape constants applied and a vocabulary
-    padded for speed (vocab_size, else the tokenizer's size), or the pretrained model's; SDPA attention,
-    no dropout."""
-    if tokenizer is not None:
-        shape.vocab_size = vocab_size or len(tokenizer)
-    defaults = shape.config_class().to_dict()
-    arguments = dict(copy.deepcopy(shape.arguments), use_cache=False)
-    # No dropout: modern pretraining does without it, and it keeps runs of any world size identical.
-    dropouts = [k for k, v in defaults.items() if k.endswith(("pdrop", "dropout")) and isinstance(v, float)]
-    arguments.update(dict.fromkeys(dropouts, 0.0))
-    for key in ("bos_token_id", "eos_token_id"):  # GPT-2's default 50256 must fit the tiny vocabulary
-        if isinstance(token := arguments.get(key, defaults.get(key)), int) and token >= shape.vocab_size:
-            arguments[key] = shape.vocab_size - 1
-    # A pretrained model keeps its shape and its vocabulary, whatever a tokenizer holds.
-    if not shape.pretrained:
-        names = shape.config_class.attribute_map
-        arguments.update({names.get(key, key): getattr(shape, name) for name, key in SHAPE_NAMES.items()})
-        arguments["vocab_size"] = padded_vocab(shape.vocab_size)
-    model_config = shape.config_class.from_dict(arguments)
-    model_config._attn_implementation = "sdpa"
-    if tokenizer is not None:
-        model_config.bos_token_id = model_config.eos_token_id = tokenizer.eos_token_id
-    return model_config
-
-
 def imports_done():
     """The collector, paused at the top of this file in a process started to train, runs again, leaving
     alone (frozen) the objects the imports created."""
@@ -749,310 +630,6 @@ def rebuild_model(saved_options, saved_shape):
     vars(shape).update(saved_shape)
     tokenizer = load_tokenizer(saved)
     return build_meta_model(build_model_config(shape, tokenizer, shape.vocab_size)), tokenizer
-
-
-def build_meta_model(model_config):
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)  # not a pretrained bf16
-
-
-def decoder_layers(model):
-    """The ModuleList of the family's own decoder-layer class, the unit transformers names for sharding; also
-    once its layers are wrapped for checkpointing and sharded (fully_shard names the class FSDP<name>)."""
-
-    def layer_class(layer):
-        return type(getattr(layer, "_checkpoint_wrapped_module", layer)).__name__.removeprefix("FSDP")
-
-    model = getattr(model, "module", model)  # inside DDP's wrapper
-    lists = (m for m in model.modules() if isinstance(m, torch.nn.ModuleList))
-    return next(m for m in lists if layer_class(m[0]) in model._no_split_modules)
-
-
-def flops_per_token(model, model_config, seq_length):
-    """6·N + 12·L·H·Q·T (PaLM appendix B, as torchtitan). N counts the weights of matmuls: a tied token
-    embedding once, as the output layer, no lookup-only embedding (positions, untied input tokens), and
-    of a mixture of experts the num_experts_per_tok of num_local_experts that each token runs through."""
-    matmuls = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    lookups = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} - matmuls
-    active = getattr(model_config, "num_experts_per_tok", 1) / getattr(model_config, "num_local_experts", 1)
-    weights = [(name, p) for name, p in model.named_parameters() if id(p) not in lookups]
-    n_matmul = sum(p.numel() * (active if ".experts." in name else 1) for name, p in weights)
-    layers, heads = model_config.num_hidden_layers, model_config.num_attention_heads
-    return 6 * n_matmul + 12 * layers * heads * (model_config.hidden_size // heads) * seq_length
-
-
-@torch.no_grad()
-def init_weights(model, std, n_layer, seed):
-    """GPT-2's initialisation: N(0, 0.02) weights, residual projections (GPT-2's c_proj, Llama's o_proj and
-    down_proj) scaled by 1/sqrt(2·n_layer), zero biases, unit norms. Each tensor is drawn whole from its
-    own seeded generator and then sharded, so runs of every world size start from the same weights."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    for index, (name, param) in enumerate(model.named_parameters()):
-        if param.ndim == 1:
-            full = torch.ones if name.endswith("weight") else torch.zeros  # norm weights; biases
-            value = full(param.shape, device=param.device)
-        else:
-            residual = name.endswith(
-                ("c_proj.weight", "o_proj.weight", "down_proj.weight", "experts.down_proj")
-            )
-            generator = torch.Generator(param.device).manual_seed(seed + index)
-            scale = std / math.sqrt(2 * n_layer) if residual else std
-            value = torch.randn(param.shape, generator=generator, device=param.device) * scale
-        if isinstance(param, DTensor):
-            shard = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-            param.to_local().copy_(shard.to_local())
-        else:
-            param.copy_(value)
-
-
-def init_rotary_embeddings(model, device):
-    """to_empty leaves the rotary embeddings' non-persistent inv_freq buffers uninitialised: a fresh
-    module computes them, on the compute device even when parameters are offloaded to the CPU."""
-    for module in model.modules():
-        if hasattr(module, "inv_freq"):
-            with torch.device(device):
-                fresh = type(module)(module.config)
-            for name, buffer in fresh.named_buffers():
-                setattr(module, name, buffer)
-
-
-def init_or_load(model, model_config, args):
-    """The model's weights: GPT-2's initialisation, or the pretrained ones of --init_from; under DDP, then the
-    wrapper, whose constructor broadcasts rank 0's weights."""
-    if args.init_from:
-        load_pretrained(model, args.init_from)
-    else:
-        init_weights(model, model_config.initializer_range, model_config.num_hidden_layers, args.seed)
-    return torch.nn.parallel.DistributedDataParallel(model) if args.sharding == "ddp" else model
-
-
-def load_pretrained(model, name_or_path):
-    """Only rank 0 holds a full copy in host memory; set_model_state_dict broadcasts it and every rank
-    keeps its shard."""
-    from transformers import AutoModelForCausalLM
-
-    weights = {}
-    if dist.get_rank() == 0:
-        try:
-            weights = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).state_dict()
-        except (
-            pickle.UnpicklingError
-        ) as error:  # the other ranks wait in the broadcast until torchrun ends them
-            fail(safe_load.refused_weights("--init_from", name_or_path, error))
-    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, weights, options=broadcast)
-
-
-def precision_policy(args):
-    """FSDP's mixed precision for --mixed_precision=bf16: bf16 compute, fp32 master weights and gradient
-    reduction. Inputs are not cast per block (torchtitan's choice): the embeddings already hand bf16 on."""
-    if args.mixed_precision == "fp32":
-        return MixedPrecisionPolicy()
-    return MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False
-    )
-
-
-def never_packed_sequences():
-    """Every row of a batch is one window of a corpus, never several documents packed together. transformers
-    asks each batch's position ids whether it is, at every forward: a device-to-host sync each time, and on
-    fake tensors a full seq x seq mask that a real run never allocates. It has no option to say so, so its
-    check is replaced, for the whole process, by one that answers none is."""
-    import transformers.masking_utils
-
-    transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
-
-
-# Op-level selective checkpointing (torchtitan's "op" mode) keeps these outputs of every block and recomputes
-# the rest: attention (the costliest to recompute per byte), every other matmul, and FSDP's reduce-scatter.
-# GPT-2's Conv1D layers are addmm, Llama's linear layers mm.
-MATMULS = {"aten.mm.default", "aten.addmm.default"}
-SAVED_OPS = MATMULS | {
-    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_cudnn_attention.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "_c10d_functional.reduce_scatter_tensor.default",
-}  # fmt: skip
-
-
-def op_level_checkpointing():
-    """A context for one checkpointed forward and its recomputation: both count matmuls the same way, so
-    the recomputation replays exactly the matmuls the forward did not save."""
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    matmuls_seen = {False: 0, True: 0}  # by is_recompute
-
-    def policy(ctx, op, *args, **kwargs):
-        name = str(op)
-        if name in MATMULS:
-            matmuls_seen[ctx.is_recompute] += 1
-            if matmuls_seen[ctx.is_recompute] % 2 == 0:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE if name in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
-
-
-def checkpointed(index, args):
-    """Whether decoder layer index is wrapped in activation checkpointing, and with which context."""
-    mode = args.activation_checkpointing
-    if mode == "op":
-        return {"context_fn": op_level_checkpointing}
-    if mode == "full" or mode == "selective" and (index + 1) % args.ac_every == 0:
-        return {}
-    return None
-
-
-def build_model(model_config, args, device, mesh):
-    """The model wrapped for training, weights allocated but not yet initialised (init_weights or
-    load_pretrained follow)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    model = build_meta_model(model_config)
-    blocks = decoder_layers(model)
-    for index, block in enumerate(blocks):
-        if (checkpoint_options := checkpointed(index, args)) is not None:
-            block = checkpoint_wrapper(block, preserve_rng_state=False, **checkpoint_options)
-        if args.compile:
-            block.compile()
-        blocks[index] = block
-    if args.sharding == "ddp":
-        model.to_empty(device=device)
-        model.tie_weights()  # to_empty gave the tied modules a tensor each (fully_shard keeps them shared)
-        init_rotary_embeddings(model, device)
-        # DDP has no precision policy: autocast computes in bf16, the weights and gradients stay fp32, so the
-        # all-reduce is fp32 as FSDP's reduction is.
-        if args.mixed_precision == "bf16":
-            model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
-        return model
-    fsdp_kwargs = dict(mesh=mesh, mp_policy=precision_policy(args))
-    if args.cpu_offload:
-        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
-    for block in blocks:
-        fully_shard(block, reshard_after_forward=args.sharding != "grad_op", **fsdp_kwargs)
-    # Untied input embeddings are their own unit, freed after forward until the end of backward (1 GB
-    # gathered at 8B, measured in docs/PERFORMANCE.md); tied ones are one tensor with the output layer.
-    embeddings = model.get_input_embeddings()
-    if embeddings.weight is not model.get_output_embeddings().weight:
-        fully_shard(embeddings, reshard_after_forward=args.sharding != "grad_op", **fsdp_kwargs)
-    # The root (embeddings, final norm, output layer) stays gathered after forward: the loss and the
-    # backward need it at once.
-    fully_shard(model, reshard_after_forward=False, **fsdp_kwargs)
-    model.to_empty(device="cpu" if args.cpu_offload else device)
-    init_rotary_embeddings(model, device)
-    return model
-
-
-# --------------------------------------------------------------------------------------------------------
-# The training step, which the dry run simulates too: loss, optimizer, schedule.
-# --------------------------------------------------------------------------------------------------------
-LOSS_CHUNK_BYTES = 256e6  # the loss computes the fp32 logits of this many bytes at a time
-
-
-def final_hidden_states(model, inputs):
-    """The last decoder layer's output after the final norm, taken through the model's own forward (so that
-    FSDP and DDP hooks run) with the output layer applied to no position."""
-    captured = []
-
-    def capture(_module, _inputs, output):
-        captured.append(output.last_hidden_state)
-
-    handle = getattr(model, "module", model).base_model.register_forward_hook(capture)
-    try:
-        model(input_ids=inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=inputs.device))
-    finally:
-        handle.remove()
-    return captured[0]
-
-
-def model_loss(model, inputs, targets, chunk_tokens=None):
-    """Mean next-token cross-entropy. The output layer and the loss run over chunks of the tokens, each
-    chunk's gradients computed in the forward (run/loss.py): the full fp32 logits, their log-softmax and
-    gradient never exist together (a few GB at 4b and batch 8), and the backward recomputes nothing."""
-    hidden = final_hidden_states(model, inputs).flatten(0, 1)
-    targets = targets.flatten()
-    output_layer = getattr(model, "module", model).get_output_embeddings()
-    if chunk_tokens is None:  # fp32 logits of one chunk: LOSS_CHUNK_BYTES at most
-        chunk_tokens = max(1, int(LOSS_CHUNK_BYTES // (4 * output_layer.out_features)))
-    total = linear_cross_entropy(hidden, output_layer.weight, targets, chunk_tokens)
-    return total / targets.numel()
-
-
-def build_optimizer(model, args, fused):
-    """AdamW; biases, norms and embeddings get no weight decay. Fused on GPUs; elsewhere foreach kernels,
-    which take FSDP's DTensors a list at a time rather than one by one (half the optimizer's time at tiny
-    sizes on CPU)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    decay, no_decay = [], []
-    for param in model.parameters():
-        (decay if param.ndim >= 2 and id(param) not in embeddings else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=not fused)
-
-
-def lr_factor(step, args, total_steps):
-    if step < args.warmup_steps:
-        return (step + 1) / args.warmup_steps
-    progress = min(1.0, (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps))
-    return (args.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (args.lr - args.min_lr)) / args.lr
-
-
-def clip_gradients(parameters, max_norm):
-    """The global gradient norm, and the gradients scaled to max_norm (0: not clipped). With foreach kernels
-    over DTensors too, where clip_grad_norm_ falls back to one kernel per tensor (as torchtitan does)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
-    return norm
-
-
-def host_values(tensor):
-    """The step's one device-to-host synchronisation. A simulated step's fake tensors hold no values."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return [0.0] * tensor.numel() if is_fake(tensor) else tensor.tolist()
-
-
-def train_step(model, batches, optimizer, accumulation, grad_clip, stop_requests):
-    """One optimizer step, as the training loop and the dry run's simulation both take it: per micro-batch a
-    forward, the loss and a backward, then clipping and the update, skipped when the gradient norm is not
-    finite. Under FSDP each micro-step reduce-scatters its gradients (as torchtitan does): skipping that
-    would keep a whole unsharded fp32 gradient alive between micro-steps. DDP all-reduces on the last one.
-    stop_requests (run/stops.py) is read as late as possible. Returns the mean loss (a device tensor), the
-    gradient norm and whether any rank asked to stop."""
-    loss = 0.0
-    for micro in range(accumulation):
-        inputs, targets = next(batches)
-        defer_sync = isinstance(model, torch.nn.parallel.DistributedDataParallel) and micro < accumulation - 1
-        with model.no_sync() if defer_sync else contextlib.nullcontext():
-            micro_loss = model_loss(model, inputs, targets) / accumulation
-            micro_loss.backward()
-        loss += micro_loss.detach()
-    grad_norm = clip_gradients(model.parameters(), grad_clip)
-    stop = torch.full((), float(stop_requests.pending), device=grad_norm.device)
-    dist.all_reduce(stop)  # any rank may get the signal; all stop at the same step
-    grad_norm, stop = host_values(torch.stack([grad_norm, stop]))
-    if math.isfinite(grad_norm):  # the norm is global, so every rank takes the same branch
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss, grad_norm, stop > 0
-
-
-@torch.no_grad()
-def evaluate(model, batches, n_batches, world_size):
-    """Mean validation loss over n_batches micro-batches of every rank."""
-    model.eval()
-    total = sum(
-        model_loss(model, inputs, targets) for inputs, targets in (next(batches) for _ in range(n_batches))
-    )
-    model.train()
-    dist.all_reduce(total)
-    return total.item() / (n_batches * world_size)
 
 
 def training_path():

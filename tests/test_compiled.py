@@ -17,9 +17,9 @@ from conftest import (
     validated,
 )
 
-import train as train_script
 from run import launch as run_launch
 from run import simulation, stragglers
+from run.model import build, presets, step
 from run.stops import StopRequests
 
 COMPILED = [*TINY, "--compile=True"]
@@ -118,21 +118,21 @@ def test_compiled_block_has_no_graph_break_and_compiles_once(preset, monkeypatch
     cfg = parse_options(
         [f"--model={preset}", "--n_layer=10", "--mixed_precision=bf16", "--seq_length=32", "--batch_size=2"]
     )
-    config = train_script.build_model_config(validated(cfg))
+    config = presets.build_model_config(validated(cfg))
     torch._dynamo.reset()
     counters.clear()
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         mesh = run_launch.device_mesh(cfg, "cpu", 1, 1)
-        model = train_script.build_model(config, cfg, torch.device("cpu"), mesh)
-        train_script.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
-        stragglers.RankTimes(train_script.decoder_layers(model), torch.device("cpu"), compiled=True)
-        optimizer = train_script.build_optimizer(model, cfg, fused=False)
+        model = build.build_model(config, cfg, torch.device("cpu"), mesh)
+        build.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
+        stragglers.RankTimes(presets.decoder_layers(model), torch.device("cpu"), compiled=True)
+        optimizer = step.build_optimizer(model, cfg, fused=False)
         tokens = torch.randint(0, config.vocab_size, (2, 33))
         batches = itertools.repeat((tokens[:, :-1], tokens[:, 1:]))
         compiled = []
         for _ in range(5):
-            train_script.train_step(model, batches, optimizer, 1, cfg.grad_clip, StopRequests())
+            step.train_step(model, batches, optimizer, 1, cfg.grad_clip, StopRequests())
             compiled.append((dict(counters["frames"]), dict(counters["stats"])))
     finally:
         dist.destroy_process_group()
@@ -166,14 +166,14 @@ def test_flops_per_token_agrees_with_the_flop_counter(preset):
     from transformers import AutoModelForCausalLM
 
     cfg = parse_options([f"--model={preset}"])
-    config = train_script.build_model_config(train_script.resolve_shape(cfg))
+    config = presets.build_model_config(presets.resolve_shape(cfg))
     config._attn_implementation = config._experts_implementation = "eager"
     model = AutoModelForCausalLM.from_config(config)
     seq_length, batch = 128, 2
     tokens = torch.randint(0, config.vocab_size, (batch, seq_length))
     with FlopCounterMode(display=False) as counter:
         model(input_ids=tokens).logits.float().logsumexp(-1).sum().backward()
-    expected = train_script.flops_per_token(model, config, seq_length) * batch * seq_length
+    expected = presets.flops_per_token(model, config, seq_length) * batch * seq_length
     assert counter.get_total_flops() == pytest.approx(expected, rel=0.03)
 
 
@@ -183,7 +183,7 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(preset):
     from transformers import AutoModelForCausalLM
 
     cfg = parse_options([f"--model={preset}"])
-    config = train_script.build_model_config(train_script.resolve_shape(cfg))
+    config = presets.build_model_config(presets.resolve_shape(cfg))
     model = AutoModelForCausalLM.from_config(config)
     tokens = torch.randint(0, config.vocab_size, (3, 50))
     targets = torch.randint(0, config.vocab_size, (3, 50))
@@ -192,7 +192,7 @@ def test_chunked_loss_equals_the_plain_loss_and_its_gradients(preset):
     plain_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     # 150 tokens: 9 full chunks and 6
-    chunked = train_script.model_loss(model, tokens, targets, chunk_tokens=16)
+    chunked = step.model_loss(model, tokens, targets, chunk_tokens=16)
     chunked.backward()
     assert chunked.item() == pytest.approx(plain.item(), rel=1e-6)
     for plain_grad, param in zip(plain_grads, model.parameters()):
@@ -217,15 +217,15 @@ def test_hardware_flops_count_the_recomputation(mode, preset):
         ]
     )
     shape = validated(cfg)
-    config = train_script.build_model_config(shape)
+    config = presets.build_model_config(shape)
     config._attn_implementation = "eager"
-    model = train_script.build_model(config, cfg, torch.device("cpu"), mesh=None)
-    train_script.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
+    model = build.build_model(config, cfg, torch.device("cpu"), mesh=None)
+    build.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
     tokens = torch.randint(0, config.vocab_size, (2, 128))
     with FlopCounterMode(display=False) as counter:
-        train_script.model_loss(model, tokens, tokens).backward()
-    model_flops = train_script.flops_per_token(model, config, 128)
-    plain = train_script.build_meta_model(config)
-    layer = train_script.decoder_layers(plain)[0]
+        step.model_loss(model, tokens, tokens).backward()
+    model_flops = presets.flops_per_token(model, config, 128)
+    plain = presets.build_meta_model(config)
+    layer = presets.decoder_layers(plain)[0]
     expected = simulation.hardware_flops_per_token(cfg, layer, config, model_flops) * tokens.numel()
     assert counter.get_total_flops() == pytest.approx(expected, rel=0.03)

@@ -12,6 +12,7 @@ from torch.torch_version import TorchVersion
 
 import train as train_script
 from run import simulation
+from run.model import presets
 
 SMALL = ["--compile=False", "--batch_size=8"]
 # gpt2's width, heads and vocabulary with 4 of its layers: what the tests compare holds at any depth, and a
@@ -24,7 +25,7 @@ def simulated_peak(*args, world_size):
     """Peak bytes per rank by category, from the dry run's own simulation."""
     cfg = parse_options(["--dry_run", *SMALL, *args, f"--world_size={world_size}"])
     shape = validated(cfg)
-    config = train_script.build_model_config(shape)
+    config = presets.build_model_config(shape)
     ranks_per_node = min(cfg.gpus_per_node, world_size)
     training = train_script.training_path()
     accumulation = min(2, cfg.global_batch_size // (cfg.batch_size * world_size))
@@ -69,8 +70,8 @@ def test_accumulation_keeps_only_a_sharded_gradient_between_micro_steps():
     world_size = 2
     one = simulated_peak(*GPT2_SHORT, "--global_batch_size=16", world_size=world_size)
     four = simulated_peak(*GPT2_SHORT, "--global_batch_size=64", world_size=world_size)
-    shape = train_script.resolve_shape(parse_options(["--model=gpt2"]))
-    model = train_script.build_meta_model(train_script.build_model_config(shape))
+    shape = presets.resolve_shape(parse_options(["--model=gpt2"]))
+    model = presets.build_meta_model(presets.build_model_config(shape))
     n_params = sum(p.numel() for p in model.parameters())
     sharded_gradient = 4 * n_params / world_size
     assert 0 <= sum(four.values()) - sum(one.values()) <= 1.05 * sharded_gradient
@@ -143,8 +144,8 @@ def test_a_torch_whose_tracker_overstates_the_peak_is_refused_in_one_line(capsys
 
 
 def test_default_model_is_about_4b():
-    shape = train_script.resolve_shape(parse_options([]))
-    model = train_script.build_meta_model(train_script.build_model_config(shape))
+    shape = presets.resolve_shape(parse_options([]))
+    model = presets.build_meta_model(presets.build_model_config(shape))
     count = sum(p.numel() for p in model.parameters())
     assert 3.8e9 <= count <= 4.3e9
 

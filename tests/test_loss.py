@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from conftest import parse_options, validated
 from torch.distributed.device_mesh import init_device_mesh
 
-import train as train_script
-from run.loss import linear_cross_entropy
+from run.model import build, presets, step
+from run.model.loss import linear_cross_entropy
 
 
 def plain_loss_and_gradients(model, micro_batches):
@@ -36,22 +36,20 @@ def test_chunked_loss_and_gradients_equal_full_logits_cross_entropy(preset, shar
         [f"--model={preset}", "--compile=False", f"--sharding={sharding}", "--mixed_precision=fp32"]
         + ["--activation_checkpointing=none", "--seq_length=40"]
     )
-    config = train_script.build_model_config(validated(cfg))
+    config = presets.build_model_config(validated(cfg))
     generator = torch.Generator().manual_seed(0)
     micro_batches = [torch.randint(0, config.vocab_size, (2, 2, 40), generator=generator) for _ in range(2)]
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         mesh = init_device_mesh("cpu", (1,)) if sharding != "ddp" else None
-        model = train_script.build_model(config, cfg, torch.device("cpu"), mesh)
-        train_script.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
-        model = train_script.init_or_load(model, config, cfg)
+        model = build.build_model(config, cfg, torch.device("cpu"), mesh)
+        build.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
+        model = build.init_or_load(model, config, cfg)
         plain = AutoModelForCausalLM.from_config(config)
         plain.load_state_dict({k.removeprefix("module."): full(v) for k, v in model.state_dict().items()})
         total = 0.0
         for tokens, targets in micro_batches:  # 80 tokens: 5 chunks, or 3 with a partial one
-            loss = train_script.model_loss(
-                model, tokens, targets, chunk_tokens=16 if preset == "tiny" else 30
-            )
+            loss = step.model_loss(model, tokens, targets, chunk_tokens=16 if preset == "tiny" else 30)
             (loss / len(micro_batches)).backward()
             total += loss.item() / len(micro_batches)
         grads = {name.removeprefix("module."): full(p.grad) for name, p in model.named_parameters()}

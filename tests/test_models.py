@@ -17,6 +17,7 @@ from conftest import (
 )
 
 import train as train_script
+from run.model import build, presets, step
 
 # Published parameter counts (model cards and papers; GPT-2's with the vocabulary padded to 50304).
 PUBLISHED = {
@@ -60,11 +61,11 @@ TINY_LLAMA = [
 
 def meta_model(*args):
     cfg = parse_options(list(args))
-    config = train_script.build_model_config(train_script.resolve_shape(cfg))
-    return train_script.build_meta_model(config), config
+    config = presets.build_model_config(presets.resolve_shape(cfg))
+    return presets.build_meta_model(config), config
 
 
-@pytest.mark.parametrize("preset", train_script.MODEL_PRESETS)
+@pytest.mark.parametrize("preset", presets.MODEL_PRESETS)
 def test_preset_builds_on_meta_with_its_published_size(preset):
     model, config = meta_model(f"--model={preset}")
     n_params = sum(p.numel() for p in model.parameters())
@@ -72,7 +73,7 @@ def test_preset_builds_on_meta_with_its_published_size(preset):
         assert n_params == pytest.approx(PUBLISHED[preset], rel=0.01)
     else:  # the tiny CPU presets
         assert 1e6 < n_params < 5e6
-    assert type(train_script.decoder_layers(model)[0]).__name__ == DECODER_LAYERS[type(config).__name__]
+    assert type(presets.decoder_layers(model)[0]).__name__ == DECODER_LAYERS[type(config).__name__]
 
 
 def test_llama3_2_ties_embeddings_and_llama3_1_does_not():
@@ -93,13 +94,13 @@ def test_shape_constants_override_every_family():
     )
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (128, 3, 2)
     assert config.max_position_embeddings == 64 and config.vocab_size == 320  # padded to a multiple of 64
-    assert len(train_script.decoder_layers(model)) == 3 and config.num_local_experts == 4
+    assert len(presets.decoder_layers(model)) == 3 and config.num_local_experts == 4
 
 
 def test_mfu_counts_the_active_experts_of_mixtral():
     """Mixtral 8x7B runs 12.9B of its 46.7B parameters per token; the input embedding is a lookup."""
     model, config = meta_model("--model=mixtral-8x7b")
-    active = train_script.flops_per_token(model, config, seq_length=0) / 6
+    active = presets.flops_per_token(model, config, seq_length=0) / 6
     assert active == pytest.approx(12.9e9 - 32000 * 4096, rel=0.01)
 
 
@@ -107,7 +108,7 @@ def test_gpt2_flops_leave_out_only_the_position_embedding():
     model, config = meta_model("--model=4b")
     n_params = sum(p.numel() for p in model.parameters())
     expected = 6 * (n_params - 2048 * 3072) + 12 * 34 * 3072 * 2048
-    assert train_script.flops_per_token(model, config, seq_length=2048) == expected
+    assert presets.flops_per_token(model, config, seq_length=2048) == expected
 
 
 MODES = [
@@ -300,9 +301,7 @@ def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped)
     shape = validated(cfg)
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
-        model = train_script.build_model(
-            train_script.build_model_config(shape), cfg, torch.device("cpu"), mesh=None
-        )
+        model = build.build_model(presets.build_model_config(shape), cfg, torch.device("cpu"), mesh=None)
     finally:
         dist.destroy_process_group()
     layers = model.model.layers
@@ -325,10 +324,10 @@ def test_op_level_checkpointing_gives_the_plain_loss_and_gradients(preset):
             ]
         )
         shape = validated(cfg)
-        config = train_script.build_model_config(shape)
-        model = train_script.build_model(config, cfg, torch.device("cpu"), mesh=None)
-        train_script.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
-        loss = train_script.model_loss(model, tokens, targets)
+        config = presets.build_model_config(shape)
+        model = build.build_model(config, cfg, torch.device("cpu"), mesh=None)
+        build.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
+        loss = step.model_loss(model, tokens, targets)
         loss.backward()
         results[mode] = loss.item(), [p.grad for p in model.parameters()]
     assert results["op"][0] == pytest.approx(results["none"][0], rel=1e-6)

@@ -19,6 +19,7 @@ from common.errors import ConfigError
 from common.op_timing import CPU_ATTENTION, replay, resolve
 from run import live_prediction, plan, simulation
 from run.machines import Report
+from run.model import presets
 from run.predict import DDP_ALL_REDUCE, FAKE_ONLY, Prediction, fresh_bytes, play
 
 TINY_STEP = ["--model=tiny", "--compile=False", "--batch_size=4", "--global_batch_size=8", "--seq_length=64"]
@@ -43,7 +44,7 @@ def gpu_report(matmul_TFLOPS=800.0, busbw_GBps=300.0):
 def step():
     """The events of one training step of the tiny model at world size 2, as the dry run records them."""
     cfg = parse_options(["--dry_run", *TINY_STEP, "--world_size=2"])
-    config = train_script.build_model_config(validated(cfg))
+    config = presets.build_model_config(validated(cfg))
     _, events = simulation.simulate(cfg, config, 2, 0, train_script.training_path())
     return events
 
@@ -102,7 +103,7 @@ def test_a_faster_matmul_figure_lowers_the_compute(step):
 @SIMULATES
 def test_a_candidate_that_does_not_fit_is_never_picked():
     cfg = parse_options(["--dry_run", *TINY_STEP, "--world_size=2", "--activation_checkpointing=auto"])
-    config = train_script.build_model_config(validated(cfg))
+    config = presets.build_model_config(validated(cfg))
     training, machine = train_script.training_path(), Report("r.yaml", gpu_report())
     everything = plan.plan(cfg, config, 2, 0, training, machine, 1e9, simulation.simulate)
     peaks = sorted(peak for _, peak, _ in everything)
@@ -155,8 +156,8 @@ def test_a_ddp_step_all_reduces_every_gradient_at_its_own_accumulation(step):
     DDP's buckets, over the whole world; the step is traced with the run's micro-steps (one here: global
     batch 8 over 2 ranks of 4), not those a world of one would take."""
     cfg = parse_options(["--dry_run", *TINY_STEP, "--world_size=2", "--sharding=ddp"])
-    config = train_script.build_model_config(validated(cfg))
-    n_params = sum(p.numel() for p in train_script.build_meta_model(config).parameters())
+    config = presets.build_model_config(validated(cfg))
+    n_params = sum(p.numel() for p in presets.build_meta_model(config).parameters())
     _, events = simulation.simulate(cfg, config, 2, n_params, train_script.training_path())
     reduced = [event.collective for event in events if event.name == DDP_ALL_REDUCE]
     assert sum(size for _, size, _, _ in reduced) == 4 * n_params and {c[2] for c in reduced} == {2}
@@ -171,7 +172,7 @@ def test_the_miniature_of_each_family_steps_and_gives_the_models_host_time(model
     """The model's own host time per operation comes from stepping a miniature of it, built and wrapped as
     training does: the same depth and heads, narrow widths, in every family."""
     cfg = parse_options(["--dry_run", "--gpu=cpu", *TINY_STEP, f"--model={model}", "--world_size=1"])
-    config = train_script.build_model_config(validated(cfg))
+    config = presets.build_model_config(validated(cfg))
     mini = simulation.miniature(config)
     assert mini.num_hidden_layers == config.num_hidden_layers
     assert mini.num_attention_heads == config.num_attention_heads and mini.hidden_size < config.hidden_size
