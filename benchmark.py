@@ -44,13 +44,13 @@ from checks.collectives import links_section, nccl_section, nic_rates_Gbps
 from checks.gpu import gpu_section
 from checks.host import cpu_section, memory_section
 from checks.inputs import SIZE_OPTIONS, OneLineErrors, positive_number, section_list, validate
-from checks.model_timing import distinct, model_section
 from checks.report import cluster_report, write_reports
 from checks.storage import storage_section
 from checks.verdicts import MIN_STORAGE_GBPS
 from checks.world import MODES, SECTIONS, World, start_world
 from common.errors import ConfigError, report_config_error
 from common.node import node_name
+from run.prediction.probe import benchmark_section
 
 
 def argument_parser():
@@ -166,18 +166,16 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
     return {}
 
 
-def traced_model_step(train_args):
-    """Rank 0's record of the step train.py would run with these options at this world size, before any
-    process group (the recording needs a fake one): (the options, its distinct operations and collectives);
-    None on the other ranks, and where the step could not be recorded (train.py has said why). Options
-    train.py refuses are refused here, before anything is measured: every rank checks them, one says why."""
-    import train  # the model, its wrapping and its step are train.py's own
+def train_run(train_args):
+    """(options, model config, the values of the options that name the run) of train.py with these arguments.
+    Options train.py refuses are refused here, before anything is measured: every rank checks them, one says
+    why."""
+    import train  # the options and their checks are train.py's own
 
     try:
-        events = train.trace_run(shlex.split(train_args))
+        return train.run_options(shlex.split(train_args))
     except ConfigError as error:
         report_config_error(ConfigError(f"--train_args: {error}", error.per_node))
-    return None if events is None else (train_args, *distinct(events))
 
 
 def main(argv=None) -> int:
@@ -189,7 +187,7 @@ def main(argv=None) -> int:
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # scancel: still remove the test files
     started = time.perf_counter()
-    model_step = traced_model_step(cfg["train_args"]) if cfg["train_args"] else None
+    run = train_run(cfg["train_args"]) if cfg["train_args"] else None
     world = start_world()
     try:
         job_id = [os.environ.get("SLURM_JOB_ID") or datetime.now(UTC).strftime("%Y%m%d-%H%M%S")]
@@ -219,8 +217,11 @@ def main(argv=None) -> int:
             "section_seconds": section_seconds,
         }
         report = cluster_report(everyone, world, job, cfg)
-        if cfg["train_args"]:
-            report["model"] = model_section(world, cfg, model_step)
+        if run:
+            report["model"] = {
+                "train_args": cfg["train_args"],
+                **benchmark_section(*run, world.device, world.local_size),
+            }
         write_reports(report, world, f"node{world.node_rank} ({local['node_name']})", cfg)
         return 1 if report["verdict"] == "fail" else 0
     finally:

@@ -22,6 +22,7 @@ import queue
 import sys
 import threading
 import time
+import types
 from typing import Literal
 
 if __name__ == "__main__":
@@ -36,7 +37,7 @@ import torch
 from common.errors import ConfigError, report_config_error
 from common.files import write_atomically
 from common.options import constants_of, parse_args, print_help
-from run import export, goodput, launch, options, prepare, run_log, simulation, stops
+from run import export, goodput, launch, options, prepare, run_log, stops
 from run.checkpoints import Checkpointer
 from run.curves import plot_run
 from run.hub import use_cache_if_hub_unreachable
@@ -49,7 +50,9 @@ from run.model.presets import (
     resolve_shape,
 )
 from run.model.step import build_optimizer, evaluate, lr_factor, train_step
-from run.plan import has_auto, settle
+from run.prediction import live as live_prediction
+from run.prediction.dry_run import report_dry_run
+from run.prediction.plan import has_auto, settle
 from run.profiler import StepProfiler
 from run.progress import Progress, print_start
 from run.stragglers import StragglerWatch
@@ -182,17 +185,17 @@ def main(argv):
         if args.prepare_only:
             return prepare_data(args, tokenizer)
         if args.dry_run or args.plan:
-            return simulation.report_dry_run(args, shape, model_config, meta_model, training_path())
+            return report_dry_run(args, shape, model_config, meta_model, NAMES_THE_RUN)
         launch.check_machine_holds(args, meta_model)
         stop_requests = stops.StopRequests()
         signals = stops.StopSignals(stop_requests)
         run_dir, log_folder, lock = launch.make_run_folders(args)
         start_time = time.perf_counter()
-        if has_auto(args):  # decided once for the run, by rank 0, and kept in its log folder
-            choose = functools.partial(choose_auto, args, model_config, meta_model)
-            settle(args, log_folder, int(os.environ.get("RANK", 0)), choose)
-        own_step = trace_own_step(args, model_config, meta_model, log_folder) if args.predict else None
         device, rank, world_size, mesh = launch.setup_distributed(args, log_folder)
+        if has_auto(args):  # decided once for the run, and kept in its log folder
+            taking = functools.partial(taking_choice, args, shape)
+            settle(args, model_config, count_parameters(meta_model), log_folder, device, taking)
+            mesh = launch.device_mesh(args, device.type, world_size, int(os.environ["LOCAL_WORLD_SIZE"]))
         accumulation = args.global_batch_size // (args.batch_size * world_size)
         batches, validation_batches, epoch_steps = open_batches(
             args, shape, tokenizer, world_size, rank, accumulation, device
@@ -200,7 +203,7 @@ def main(argv):
     except ConfigError as error:
         report_config_error(error)
     total_steps = args.max_steps if args.max_steps > 0 else args.num_epochs * epoch_steps
-    n_params = sum(p.numel() for p in meta_model.parameters())
+    n_params = count_parameters(meta_model)
     checkpointer = Checkpointer(args, shape, rank, world_size, n_params)
     resume_path = checkpointer.choose(args.resume_from, meta_model)  # the newest usable checkpoint
     if launch.already_finished(args, resume_path, total_steps, run_dir, rank == 0):
@@ -213,12 +216,17 @@ def main(argv):
         print_start(args, shape, model_config, meta_model, device, total_steps)
         describe_epochs(args, total_steps, batches, epoch_steps)
 
+    model_flops = flops_per_token(meta_model, model_config, args.seq_length)
+    live = None  # measured before the model takes the device's memory
+    if args.predict:
+        holds_for = live_prediction.holds_for(args, NAMES_THE_RUN, device)
+        live = live_prediction.predict_own_step(
+            args, model_config, mesh, device, log_folder, holds_for, model_flops
+        )
     model = init_or_load(build_model(model_config, args, device, mesh), model_config, args)
     optimizer = build_optimizer(model, args, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args, total_steps))
-    model_flops = flops_per_token(meta_model, model_config, args.seq_length)
     progress = Progress(args, model_flops, device, total_steps, start_time, log_folder)
-    live = simulation.predict_own_step(args, own_step, device, world_size, model_flops) if own_step else None
     stragglers = StragglerWatch(decoder_layers(model), args, device, log_folder, stop_requests)
     non_finite = stops.NonFiniteSteps(args.max_bad_steps, run_dir, rank == 0)
     if resume_path:
@@ -281,44 +289,31 @@ def complete_and_check(args):
     return shape
 
 
-def choose_auto(args, model_config, meta_model):
-    """Rank 0's choice for the auto options: the fastest way to run that fits its device, timed there."""
-    n_params = sum(p.numel() for p in meta_model.parameters())
-    on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
-    return simulation.choose_on_this_device(args, model_config, n_params, training_path(), device)
+def taking_choice(args, shape, chosen):
+    """args with a choice of the auto options taken (run/prediction/plan.py's settle), each value read and
+    checked as the same option given on the command line: a ConfigError says what is wrong with it."""
+    given = parse_args(
+        [f"--{name}={value}" for name, value in chosen.items()], constants_of(sys.modules[__name__])
+    )
+    taken = types.SimpleNamespace(**{**vars(args), **{name: getattr(given, name) for name in chosen}})
+    options.validate(taken, shape, parse_source(taken)[0])
+    return taken
 
 
-def trace_run(argv):
-    """The events of the step a training run with these options would take (run/predict.py), recorded as
-    main() builds it, before any process group: for benchmark.py --train_args to time on the cluster. Every
-    rank checks the options (a ConfigError, as main() would refuse them); rank 0 records, the others get
-    None."""
+def count_parameters(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_options(argv):
+    """For benchmark.py --train_args: the options of a training run with these arguments, completed and
+    checked as main() does (a ConfigError as it would refuse them), its model's config, and the values of the
+    options that name the run."""
     args = parse_args(argv, constants_of(sys.modules[__name__]))
     shape = complete_and_check(args)
-    if os.environ.get("RANK", "0") != "0":
-        return None
     tokenizer = load_tokenizer(args)
     never_packed_sequences()
-    model_config = build_model_config(shape, tokenizer, args.vocab_size)
-    own_step = trace_own_step(args, model_config, build_meta_model(model_config))
-    return own_step.events if own_step else None
-
-
-def trace_own_step(args, model_config, meta_model, log_folder=None):
-    """Rank 0 traces this run's step on fake tensors, before any process group exists (a fake one stands in
-    for it), for predict_own_step to time on the device once it is set up; or reads the prediction an earlier
-    launch of the run kept in log_folder."""
-    if os.environ.get("RANK", "0") != "0":
-        return None
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    n_params = sum(p.numel() for p in meta_model.parameters())
-    on_gpu = torch.cuda.is_available()
-    path = training_path()
-    return simulation.trace_own_step(
-        args, model_config, n_params, path, world_size, ranks_per_node, on_gpu, log_folder
-    )
+    naming = {name: getattr(args, name) for name in NAMES_THE_RUN}
+    return args, build_model_config(shape, tokenizer, args.vocab_size), naming
 
 
 def report_checked(log_folder):
@@ -630,11 +625,6 @@ def rebuild_model(saved_options, saved_shape):
     vars(shape).update(saved_shape)
     tokenizer = load_tokenizer(saved)
     return build_meta_model(build_model_config(shape, tokenizer, shape.vocab_size)), tokenizer
-
-
-def training_path():
-    """The model, optimizer and step of this file, for the dry run to simulate."""
-    return simulation.TrainingPath(build_model, build_optimizer, train_step, decoder_layers, flops_per_token)
 
 
 if __name__ == "__main__":

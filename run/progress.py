@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from common.datasheet import datasheet
-from run import live_prediction
 from run.curves import duration, plot_curves
+from run.prediction.live import describe as describe_prediction
 from run.run_log import RunLog
 from run.stragglers import describe_straggler
 
@@ -182,7 +182,7 @@ def log_line(record, total_steps):
             f"ETA {duration(record['eta_s'])}")  # fmt: skip
     if "val_loss" in record:
         line += f" | val loss {record['val_loss']:.4f} | val ppl {record['val_ppl']:.2f}"
-    line += live_prediction.describe(record)
+    line += describe_prediction(record)
     for name, figures in record.get("stragglers", {}).items():
         line += f" | straggler {name}: {describe_straggler(figures, record)}"
     return line

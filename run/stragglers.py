@@ -60,11 +60,16 @@ class RankTimes:
     def reset(self):
         self.compute, self.data, self.events = 0.0, 0.0, []
 
+    def read(self):
+        """(compute s, data s) of this rank since the last read; on GPU once its events have completed."""
+        compute = self.compute + sum(start.elapsed_time(end) / 1e3 for start, end in self.events)
+        data = self.data
+        self.reset()
+        return compute, data
+
     def gather(self, world_size, master):
         """(compute s, data s) of every rank since the last gather, on rank 0; None on the others."""
-        compute = self.compute + sum(start.elapsed_time(end) / 1e3 for start, end in self.events)
-        local = torch.tensor([compute, self.data])
-        self.reset()
+        local = torch.tensor(self.read())
         if self.cuda:
             local = local.pin_memory().to(self.device, non_blocking=True)
         gathered = [torch.empty_like(local) for _ in range(world_size)]

@@ -138,9 +138,9 @@ def checkpointed(index, args):
     return None
 
 
-def build_model(model_config, args, device, mesh):
+def build_model(model_config, args, device, mesh, backend="inductor"):
     """The model wrapped for training, weights allocated but not yet initialised (init_weights or
-    load_pretrained follow)."""
+    load_pretrained follow). backend: the compiler of each block (the dry run's simulates inductor's)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model = build_meta_model(model_config)
@@ -149,7 +149,7 @@ def build_model(model_config, args, device, mesh):
         if (checkpoint_options := checkpointed(index, args)) is not None:
             block = checkpoint_wrapper(block, preserve_rng_state=False, **checkpoint_options)
         if args.compile:
-            block.compile()
+            block.compile(backend=backend)
         blocks[index] = block
     if args.sharding == "ddp":
         model.to_empty(device=device)

@@ -155,3 +155,27 @@ def flops_per_token(model, model_config, seq_length):
     n_matmul = sum(p.numel() * (active if ".experts." in name else 1) for name, p in weights)
     layers, heads = model_config.num_hidden_layers, model_config.num_attention_heads
     return 6 * n_matmul + 12 * layers * heads * (model_config.hidden_size // heads) * seq_length
+
+
+def hardware_flops_per_token(args, model_config, model, model_flops):
+    """What the GPU computes per token, recomputation included. model_flops (6·N + 12·L·H·Q·T) is three
+    forwards' worth; of one forward, the output layer is 2·vocab·width and attention 4·L·H·Q·T. The loss
+    recomputes nothing (run/model/loss.py); full checkpointing every block's forward, selective every
+    ac_every-th block's, op-level every other matmul (attention outputs are kept). A recomputation stops
+    at the last tensor backward needs, so a block's last matmul, the MLP's output projection, is not
+    redone."""
+    layers = model_config.num_hidden_layers
+    output_forward = 2 * model_config.vocab_size * model_config.hidden_size
+    attention_forward = 4 * layers * model_config.hidden_size * args.seq_length
+    active = getattr(model_config, "num_experts_per_tok", 1) / getattr(model_config, "num_local_experts", 1)
+    layer = decoder_layers(model)[0]
+    name, last = [(n, p) for n, p in layer.named_parameters() if p.ndim >= 2][-1]
+    last_matmul = 2 * layers * last.numel() * (active if "experts" in name else 1)
+    redone_forward = model_flops / 3 - output_forward - last_matmul
+    recomputed = {
+        "none": 0,
+        "full": redone_forward,
+        "selective": redone_forward * (layers // args.ac_every) / layers,
+        "op": (redone_forward - attention_forward) / 2,
+    }[args.activation_checkpointing]
+    return model_flops + recomputed

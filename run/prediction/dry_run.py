@@ -1,0 +1,124 @@
+"""--dry_run: will this run fit, and how fast will it go? The config and the model; the simulated peak memory
+of a rank, by category, against the device's memory, and the nearest change that fits when it does not;
+FLOPs per token; the predicted step, on the best basis at hand: a benchmark report's timings of this very
+configuration, this machine's CPU measured now (--gpu=cpu), else a roofline from the report's or the GPU
+datasheet's figures. --plan and the auto options list or take the fastest candidate that fits."""
+
+import time
+import types
+
+from run.report_figures import newest_report, read_report
+
+from common.datasheet import datasheet
+from run.curves import duration
+from run.model.presets import flops_per_token, hardware_flops_per_token
+from run.options import gpu_memory_gb, launched_world_size
+from run.prediction import plan, probe, roofline
+from run.prediction.simulate import BLIND_SPOTS, DDP_ESTIMATE, OFFLOAD_ESTIMATE, simulate
+from run.prediction.step_time import measured
+from run.progress import describe_model
+
+NOT_PREDICTED = "data loading; the first step's compilation"
+
+
+def report_dry_run(args, shape, model_config, meta_model, names_the_run):
+    """Prints the config, the model, the simulated peak memory per GPU, FLOPs per token and a verdict.
+    names_the_run: the options whose values make a run what it is. Exit status: 0 fits, 1 does not fit."""
+    gpu_name, gpu_gb = gpu_memory_gb(args.gpu)
+    world_size = launched_world_size(args)
+    n_params = describe_model(args, shape, model_config, meta_model)
+    if args.plan or plan.has_auto(args):
+        started = time.perf_counter()
+        rows = plan.plan(
+            args, model_config, world_size, n_params, gpu_gb, dry_run_predictor(args, world_size)
+        )
+        if args.plan:
+            return plan.print_plan(rows, args, world_size, gpu_gb, started)
+        vars(args).update(plan.fastest(rows))
+        print(f"chose: {plan.flags(args, plan.CHANGES)} (the fastest that fits)")
+    model_flops = flops_per_token(meta_model, model_config, args.seq_length)
+    hardware_flops = hardware_flops_per_token(args, model_config, meta_model, model_flops)
+    most = model_flops / hardware_flops
+    print(f"FLOPs per token: {model_flops / 1e9:.4g} G for MFU (6·N + 12·L·H·Q·T), "
+          f"{hardware_flops / 1e9:.4g} G computed with recomputation: at most {most:.0%} MFU")  # fmt: skip
+    started = time.perf_counter()
+    memory, work = simulate(args, model_config, world_size, n_params)
+    print(f"simulated one training step on fake tensors: world size {world_size}, sharding={args.sharding}, "
+          f"{args.mixed_precision}, activation_checkpointing={args.activation_checkpointing}, compile="
+          f"{args.compile}, batch {args.batch_size} x {args.seq_length} "
+          f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
+    for name, gb in memory.items():
+        print(f"  {name:<22} {gb:9.3f} GB")
+    for estimated, note in ((args.sharding == "ddp", DDP_ESTIMATE), (args.cpu_offload, OFFLOAD_ESTIMATE)):
+        print(f"  {note}" if estimated else "", end="\n" if estimated else "")
+    print(f"not simulated: {BLIND_SPOTS}")
+    total = sum(memory.values())
+    target = f"{gpu_gb:g} GB ({gpu_name})" if gpu_name else f"{gpu_gb:g} GB"
+    print(f"peak memory per GPU (simulated): {total:.1f} GB of {target}")
+    if total <= gpu_gb:
+        print(f"verdict: fits, {gpu_gb - total:.1f} GB to spare")
+        prediction = dry_run_predictor(args, world_size)(args, model_config, work, names_the_run)
+        print_prediction(args, prediction, world_size, model_flops, datasheet(args.gpu))
+        return 0
+    for change in changes_that_might_fit(args):
+        candidate = types.SimpleNamespace(**{**vars(args), **change})
+        peak = sum(simulate(candidate, model_config, world_size, n_params)[0].values())
+        if peak <= gpu_gb:
+            flags = " ".join(f"--{name}={value}" for name, value in change.items())
+            print(f"verdict: does not fit; fits with {flags} (simulated {peak:.2f} GB)")
+            return 1
+    tried = "full activation checkpointing, batch_size 1, cpu_offload"
+    print(f"verdict: does not fit, and no change tried fits ({tried}): use more GPUs or a smaller model")
+    return 1
+
+
+def dry_run_predictor(args, world_size):
+    """How the dry run predicts a candidate's step: predictor(options, model_config, work, names_the_run)."""
+    path = args.benchmark_report or newest_report(args.log_dir, args.gpu)
+    report = read_report(path) if path else None
+
+    def predictor(options, model_config, work, names_the_run=()):
+        section = (report or {}).get("model") or {}
+        same = {name: getattr(options, name) for name in names_the_run}
+        accumulation = options.global_batch_size // (options.batch_size * world_size)
+        if section.get("options") == same and section.get("world_size") == world_size:
+            source = f"benchmark report {path}'s timings of this configuration on its {world_size} ranks"
+            return measured(probe.Measured.from_dict(section["measured"]), accumulation, source, "report")
+        if options.gpu == "cpu" and not args.benchmark_report:
+            found = probe.on_this_cpu(options, model_config, world_size)
+            return measured(found, accumulation, f"this machine's CPU ({world_size} processes)")
+        figures = roofline.from_report(path, report) if report else None
+        figures = figures or roofline.from_datasheet(options.gpu)
+        return roofline.predicted(work, figures, accumulation)
+
+    return predictor
+
+
+def print_prediction(args, prediction, world_size, model_flops, peak, where=""):
+    """The predicted step (and where it was kept, if it was), tokens/s per device, MFU over peak (the GPU
+    datasheet's figures, or None), the time to --max_steps."""
+    print(prediction.line() + (f" ({where})" if where else ""))
+    tokens = args.global_batch_size * args.seq_length / world_size
+    steps = (prediction.high_s, prediction.low_s) if prediction.basis == "roofline" else (prediction.step_s,)
+    rates = "-".join(f"{tokens / step:,.0f}" for step in steps)
+    mfus = "-".join(f"{model_flops * tokens / step / (peak['bf16'] * 1e12):.1%}" for step in steps)
+    print(f"predicted: {rates} tokens/s per device{f', MFU {mfus}' if peak else ''}")
+    if args.max_steps > 0:
+        print(f"predicted: {args.max_steps} steps in {duration(args.max_steps * prediction.step_s)}")
+    print(f"not predicted: {NOT_PREDICTED}")
+    return prediction
+
+
+def changes_that_might_fit(args):
+    """The changes to try, least costly first: full activation checkpointing, then smaller micro-batches
+    with more accumulation (the same global batch), then offloading the model state to host memory."""
+    change = {} if args.activation_checkpointing == "full" else {"activation_checkpointing": "full"}
+    if change:
+        yield dict(change)
+    batch = args.batch_size
+    while batch > 1:
+        batch //= 2
+        change["batch_size"] = batch
+        yield dict(change)
+    if args.sharding != "ddp" and not args.cpu_offload:
+        yield dict(change, cpu_offload=True)

@@ -1,0 +1,111 @@
+"""The live step held against its prediction, at every log window after the first: the measured step over the
+predicted one, and the part that differs most, in the log line, the run's records (TensorBoard, W&B,
+metrics.jsonl) and the goodput ledger. A run slower than SLOW_RATIO times its prediction warns in one line
+naming that part, once, and again only if the gap grows by GROWTH more."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from common.datasheet import datasheet
+
+# A healthy run lies within a few percent of a measured prediction (docs/PERFORMANCE.md); a rank slowed by
+# 1.3x slows the step past this.
+SLOW_RATIO = 1.2
+GROWTH = 0.25
+
+
+class LivePrediction:
+    """prediction: rank 0's Prediction of this run's step (run/prediction/step_time.py)."""
+
+    def __init__(self, prediction):
+        self.prediction, self.windows, self.warned_ratio = prediction, 0, None
+
+    def log_window(self, step_s, rank_times):
+        """The record's fields for a log window of mean step time step_s; rank_times: {rank name: (compute s,
+        data wait s) per step}, compute being the decoder layers' forward. {} for the first window (it holds
+        the warm-up), or without a step time."""
+        self.windows += 1
+        if step_s is None or self.windows == 1:
+            return {}
+        predicted, layer_forward = self.prediction.step_s, self.prediction.layer_forward_s
+        slowest, (compute_s, _) = max(rank_times.items(), key=lambda item: item[1][0])
+        # The step waits for its slowest rank; where its layers run slower than predicted, so does the rest
+        # of its compute, most of the step.
+        compute_excess = predicted * (compute_s / layer_forward - 1) if layer_forward else 0.0
+        differences = {
+            "compute": compute_excess,
+            "data loading": max(data_s for _, data_s in rank_times.values()),
+        }
+        differences["communication and the rest"] = step_s - predicted - sum(differences.values())
+        largest = max(differences, key=lambda name: abs(differences[name]))
+        ratio = step_s / predicted
+        fields = {"predicted_step_s": predicted, "vs_predicted": ratio, "largest_difference": largest,
+                  "largest_difference_s": differences[largest]}  # fmt: skip
+        if largest == "compute":
+            fields["slowest_rank"] = slowest
+        if ratio > SLOW_RATIO and (self.warned_ratio is None or ratio > self.warned_ratio + GROWTH):
+            self.warned_ratio = ratio
+            pace = f" (slowest: {slowest}, computing {compute_s / layer_forward:.2f}x its prediction)"
+            print(
+                f"warning: steps take {ratio:.2f}x their predicted {predicted:.3g} s; the largest difference "
+                f"is {largest}, {differences[largest]:+.3g} s a step{pace if largest == 'compute' else ''}",
+                flush=True,
+            )
+        return fields
+
+
+def describe(record):
+    """The log line's part: 'step 0.412 s = 1.31x predicted (compute +0.09 s)'."""
+    if "vs_predicted" not in record:
+        return ""
+    return (
+        f" | {record['vs_predicted']:.2f}x predicted ({record['largest_difference']} "
+        f"{record['largest_difference_s']:+.3g} s)"
+    )
+
+
+def predict_own_step(args, model_config, mesh, device, log_folder, holds_for, model_flops):
+    """Before training, on every rank: this run's step measured on its own devices (a probe), or as an
+    earlier launch of the run kept it (run/prediction/step_time.py). Rank 0 prints it, keeps a prediction
+    measured well, and returns its LivePrediction; the other ranks None. A probe whose timed steps varied too
+    much is refused in one line, and training goes on without a prediction."""
+    from run.prediction import probe, step_time
+    from run.prediction.dry_run import print_prediction
+
+    master, world_size = dist.get_rank() == 0, dist.get_world_size()
+    kept = [step_time.kept(log_folder, holds_for) if master else None]
+    dist.broadcast_object_list(kept, src=0)  # the probe is collective: every rank must know whether it runs
+    if kept[0]:
+        prediction, made = kept[0]
+        if not master:
+            return None
+        where = f"kept in the run's log folder by its launch of {made}"
+        print_prediction(args, prediction, world_size, model_flops, peak_of(device), where)
+        return LivePrediction(prediction)
+    accumulation = args.global_batch_size // (args.batch_size * world_size)
+    source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
+    prediction = step_time.measured(probe.measure(args, model_config, mesh, device), accumulation, source)
+    if not master:
+        return None
+    if refusal := step_time.refusal(prediction):
+        print(refusal, flush=True)
+        return None
+    print_prediction(args, prediction, world_size, model_flops, peak_of(device))
+    step_time.keep(log_folder, prediction, holds_for)
+    return LivePrediction(prediction)
+
+
+def peak_of(device):
+    return datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def holds_for(args, names_the_run, device):
+    """What a kept prediction holds for: the values of the options that make the run what it is, and the
+    machine: this kind of device, as many processes on as many nodes, this torch."""
+    world_size = dist.get_world_size()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
+    machine = {"device": name, "world_size": world_size, "torch": torch.__version__,
+               "processes_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world_size))}  # fmt: skip
+    return {"options": {name: getattr(args, name) for name in names_the_run}, "machine": machine}

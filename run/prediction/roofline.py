@@ -1,0 +1,124 @@
+"""A roofline: the least time the step's work can take on a device's figures, for when nothing of this model
+was measured on it (another GPU, a datasheet, a benchmark report without this model's timings). Each
+operation of the simulated step takes the longer of its FLOPs at the device's matmul rate and its bytes at
+its memory bandwidth, each collective its bytes at the bus bandwidth; a GPU runs collectives beside its
+compute, a CPU in turn with it. It is a bound, not a prediction: real steps take longer (kernels below the
+matmul rate, the host's time, exposed communication), by a factor measured on this project's runs
+(STEP_OVER_ROOFLINE), and the prediction is the bound times that factor's range."""
+
+import bisect
+import dataclasses
+
+import torch
+
+from common.datasheet import datasheet
+from common.nccl_tests import BUSBW_FACTORS
+from run.prediction.step_time import roofline as roofline_prediction
+
+# Of a datasheet's dense peak, what a GPU sustains, as benchmark.py measured it on one H100 SXM: a bf16
+# matmul loop at 676 of 989.4 TFLOP/s, a device copy at 3,013 of 3,350 GB/s (docs/PERFORMANCE.md).
+MATMUL_OF_PEAK = 676 / 989.4
+COPY_OF_PEAK = 3013 / 3350
+# Without a report, the collectives of a GPU node: NVLink 4 ring busbw of 8 H100s (nccl-tests, NVLS off)
+# inside a node, one 400 Gb/s NIC per GPU between nodes (46 GB/s each); docs/BENCHMARK_FEATURES.md.
+ASSUMED_BUSBW_GBPS = {"intra-node": 360.0, "inter-node": 46.0}
+# Measured steps over their roofline on this project's runs (docs/PERFORMANCE.md, "The predicted step
+# against the measured one"): GPUs, the three runs on one H200; CPUs, the grid's rows on a CPU report.
+STEP_OVER_ROOFLINE = {"cuda": (1.15, 1.75), "cpu": (1.5, 6.0)}
+
+
+@dataclasses.dataclass
+class Figures:
+    """A device's figures: matmul FLOP/s by dtype, memory bytes/s, busbw by (collective, group size, nodes)
+    -> [(message bytes, bus bytes/s)] ascending (a sweep; None: ASSUMED_BUSBW_GBPS), and its kind."""
+
+    source: str
+    kind: str  # "cuda" or "cpu"
+    flops_per_s: dict
+    bytes_per_s: float
+    sweeps: dict | None = None
+
+    def operation_seconds(self, operation):
+        rate = self.flops_per_s.get(operation.dtype, self.flops_per_s[torch.float32])
+        return max(operation.flops / rate, operation.bytes / self.bytes_per_s)
+
+    def collective_seconds(self, name, size, group, nodes):
+        if group <= 1:
+            return 0.0
+        sweep = (self.sweeps or {}).get((name, nodes > 1))
+        if not sweep:
+            busbw = ASSUMED_BUSBW_GBPS["inter-node" if nodes > 1 else "intra-node"] * 1e9
+        else:  # the measured busbw at the nearest size at or above this one, the last beyond the sweep
+            sizes = [message for message, _ in sweep]
+            busbw = sweep[min(bisect.bisect_left(sizes, size), len(sweep) - 1)][1]
+        return size * BUSBW_FACTORS[name](group) / busbw
+
+
+def from_datasheet(gpu):
+    sheet = datasheet(gpu)
+    rate = sheet["bf16"] * 1e12 * MATMUL_OF_PEAK
+    fp32 = (sheet["tf32"] or sheet["fp32"]) * 1e12 * MATMUL_OF_PEAK
+    flops = {torch.bfloat16: rate, torch.float16: rate, torch.float32: fp32}
+    return Figures(f"the datasheet of {gpu}", "cuda", flops, sheet["memory_GBps"] * 1e9 * COPY_OF_PEAK)
+
+
+def from_report(path, report):
+    """A benchmark report's figures: its GPUs' bf16 matmul and copy, or its CPUs' all-core matmul and
+    memory copy shared by a node's ranks; its busbw sweeps (its slowest GPU or node counts); None where it
+    holds neither."""
+    gpus = [gpu for gpu in (report.get("gpu") or {}).values() if isinstance(gpu, dict) and "name" in gpu]
+    if gpus:
+        rate, copy = least(gpus, "matmul_bf16_TFLOPS", 1e12), least(gpus, "copy_GB/s", 1e9)
+        flops = {torch.bfloat16: rate, torch.float16: rate, torch.float32: rate and rate / 2}
+    else:
+        per_node = report["world"]["ranks_per_node"]
+        rate = least(node_figures(report, "cpu"), "matmul_fp32_GFLOPS", 1e9 / per_node)
+        copy = least(node_figures(report, "memory"), "copy_all_cores_GB/s", 1e9 / per_node)
+        flops = {torch.float32: rate, torch.bfloat16: rate, torch.float16: rate}
+    if not (rate and copy):
+        return None
+    return Figures(f"the figures of benchmark report {path}", "cuda" if gpus else "cpu", flops, copy,
+                   sweeps(report))  # fmt: skip
+
+
+def sweeps(report):
+    """{(collective, between nodes): [(bytes, busbw bytes/s)]}: between nodes the all-ranks sweep, inside a
+    node a node's own sweep (or the all-ranks one on one node)."""
+    nccl, found = report.get("nccl") or {}, {}
+    inside = next(iter((nccl.get("intra_node") or {}).values()), None) or nccl
+    for between, section in ((True, nccl), (False, inside)):
+        for name in BUSBW_FACTORS:
+            rows = section.get(name) if isinstance(section, dict) else None
+            if isinstance(rows, list) and rows:
+                found[(name, between)] = [(row["size_bytes"], row["busbw_GB/s"] * 1e9) for row in rows]
+    return found
+
+
+def node_figures(report, section):
+    """Each node's figures of a report's section; none where the section was skipped."""
+    figures = report.get(section) or {}
+    return [value for key, value in figures.items() if key != "aggregate" and isinstance(value, dict)]
+
+
+def least(members, key, scale):
+    """The least of the members' figure, times scale; None where no member has it."""
+    values = [member[key] for member in members if isinstance(member.get(key), (int, float))]
+    return min(values) * scale if values else None
+
+
+def roofline_seconds(work, figures):
+    """The least seconds the step's Work (run/prediction/simulate.py) takes on figures."""
+    compute, communication = 0.0, 0.0
+    for operations, times in ((work.micro_steps, work.times), (work.rest, 1.0)):
+        for operation in operations:
+            if operation.collective:
+                communication += times * figures.collective_seconds(*operation.collective)
+            else:
+                compute += times * figures.operation_seconds(operation)
+    return max(compute, communication) if figures.kind == "cuda" else compute + communication
+
+
+def predicted(work, figures, accumulation):
+    """The roofline's Prediction of the step's Work on figures: its bound times the range real steps took."""
+    bound = roofline_seconds(work, figures)
+    return roofline_prediction(bound, STEP_OVER_ROOFLINE[figures.kind], figures.source, accumulation)

@@ -1,0 +1,269 @@
+"""The step on fake tensors: the real model, wrapping and training step at the target world size over a fake
+process group, with no device and no memory. It answers what cannot be measured here: the peak memory of a
+rank (FSDPMemTracker), and the work of every operation and collective one rank issues (Recorder), which the
+roofline costs. A compiled run is simulated compiled: each block goes through the compiler's own graph
+capture, decompositions and partition of what backward saves (inductor's), and its graphs then run on fake
+tensors one operation at a time, so the tracker sees what a compiled step keeps, not what eager keeps."""
+
+import copy
+import dataclasses
+import functools
+import itertools
+import types
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from run.launch import device_mesh
+from run.model.build import build_model
+from run.model.step import build_optimizer, train_step
+from run.stops import StopRequests
+
+# The tracker's categories, in the words of the dry run's report.
+MEMORY_CATEGORIES = {
+    "sharded parameters": ("Sharded Param", "Parameter", "Buffer"),
+    "gathered parameters": ("Unsharded Param", "All Gather"),
+    "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter", "Gradient"),
+    "optimizer state": ("OptState", "Optstate"),
+    "activations": ("Activation", "Inputs"),
+    "temporaries": ("Temp", "Other"),
+}
+OFFLOADED = ("sharded parameters", "gradients", "optimizer state")
+
+DDP_ESTIMATE = (
+    "estimated for DDP: FSDP simulated at world size 1 (every rank holds the whole model, as DDP does), plus "
+    "DDP's gradient buckets, 4 bytes a parameter"
+)
+OFFLOAD_ESTIMATE = (
+    "estimated for cpu_offload: the simulation without offloading, less the sharded parameters, gradients "
+    "and optimizer state, which offloading keeps in host memory"
+)
+BLIND_SPOTS = (
+    "allocator fragmentation, NCCL buffers and the CUDA context (leave a few GB); CPU flash attention stands "
+    "in for the GPU's (both keep the same tensors); a compiled block's kernels are run one operation at a "
+    "time, so its temporaries inside a kernel are counted"
+)
+
+# The collectives FSDP and DTensor issue, by kind, as nccl-tests names them.
+COLLECTIVES = {"allgather": "all_gather", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+               "allreduce": "all_reduce", "all_reduce": "all_reduce", "broadcast": "broadcast"}  # fmt: skip
+# Operations that compute nothing: allocations, the profiler's marks, waits (and every view: is_view).
+FREE = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
+        "prim.device.default", "aten.lift_fresh.default", "profiler._record_function_enter_new.default",
+        "profiler._record_function_exit._RecordFunction", "_c10d_functional.wait_tensor.default"}  # fmt: skip
+# CPU flash attention is not in the FLOP counter's registry; its CUDA twin has the same shapes.
+CPU_ATTENTION = {
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa_flop_count,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": sdpa_backward_flop_count,
+}
+
+
+class Tracker(FSDPMemTracker):
+    """FSDPMemTracker that sees a compiled block's graphs run: a dispatch mode that ignores the compiler's
+    internals is off while it compiles and on while its graphs run (else the compiled block runs eager)."""
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+
+@dataclasses.dataclass
+class Operation:
+    """One operation or collective of the step, as one rank issues it, with what a roofline needs."""
+
+    flops: float
+    bytes: float
+    dtype: torch.dtype | None  # of its first floating-point input: which matmul rate applies
+    collective: tuple | None = None  # (nccl-tests name, bytes as nccl-tests sizes them, group size, nodes)
+    backward: bool = False  # inside autograd's backward: the micro-steps end with the last such operation
+
+
+class Recorder(TorchDispatchMode):
+    """Every operation one rank runs, below DTensor (which it lets decompose first into the local operations
+    and collectives a rank really runs), compiled graphs' operations included."""
+
+    def __init__(self, ranks_per_node):
+        super().__init__()
+        self.operations, self.ranks_per_node = [], ranks_per_node
+
+    @classmethod
+    def ignore_compile_internals(cls):
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(kind, DTensor) for kind in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if str(func) in FREE or is_view(func):
+            return out
+        tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        floats = [t.dtype for t in tensors if t.dtype.is_floating_point]
+        moved = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors + outputs(out)}.values())
+        collective = self.collective(func, args, tensors)
+        backward = torch._C._current_graph_task_id() != -1
+        self.operations.append(Operation(flops(func, args, kwargs, out), moved, floats[0] if floats else None,
+                                         collective, backward))  # fmt: skip
+        return out
+
+    def collective(self, func, args, tensors):
+        name = str(func)
+        kind = next((kind for word, kind in COLLECTIVES.items() if word in name), None)
+        if kind is None or not name.startswith(("c10d.", "_c10d_functional.")):
+            return None
+        boxed = next((leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.ScriptObject)), None)
+        if boxed is not None:  # c10d's own operations take the group itself; functional ones its name
+            group = dist.ProcessGroup.unbox(boxed)
+        else:
+            group = dist.distributed_c10d._resolve_process_group(args[-1])
+        ranks = dist.get_process_group_ranks(group)
+        nodes = len({rank // self.ranks_per_node for rank in ranks})
+        # nccl-tests' sizes: an all-gather's output, a reduce-scatter's input, an all-reduce's tensors
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        moved = sum(sizes) if kind == "all_reduce" else max(sizes, default=0)
+        return kind, moved, len(ranks), nodes
+
+
+@functools.cache
+def is_view(func):
+    """Whether every output of the operation is a view of an input."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def outputs(out):
+    return [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+
+
+def flops(func, args, kwargs, out):
+    """FLOPs as torch's FLOP counter counts them."""
+    shapes = [tuple(leaf.shape) for leaf in args[:4] if isinstance(leaf, torch.Tensor)]
+    if str(func) in CPU_ATTENTION:
+        backward = "backward" in str(func)
+        return CPU_ATTENTION[str(func)](*(shapes[:4] if backward else shapes[:3]))
+    count = flop_registry.get(func._overloadpacket)
+    if count is None:
+        return 0
+    shaped = torch.utils._pytree.tree_map(lambda v: v.shape if isinstance(v, torch.Tensor) else v,
+                                          (args, kwargs, out))  # fmt: skip
+    try:
+        return count(*shaped[0], **shaped[1], out_shape=shaped[2])
+    except TypeError:
+        return 0
+
+
+def simulated_compiler(gm, example_inputs):
+    """What inductor does to a block before it generates kernels: its decompositions and its partition of the
+    forward and backward graphs (which decides what the forward saves); the graphs then run one operation at
+    a time, each value freed after its last use, so that they run on fake tensors."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    def interpreted(graph, _inputs):
+        def run(args):
+            return torch.fx.Interpreter(graph).boxed_run(args)
+
+        run._boxed_call = True
+        return run
+
+    partition = functools.partial(min_cut_rematerialization_partition, compiler="inductor")
+    return aot_module_simplified(gm, example_inputs, fw_compiler=interpreted, bw_compiler=interpreted,
+                                 partition_fn=partition, decompositions=select_decomp_table())  # fmt: skip
+
+
+@functools.cache
+def track_recomputed_randomness():
+    """A checkpointed region recomputed in a compiled backward replays its random operations (flash attention
+    counts as one) through two higher-order operators, which a dispatch mode must handle itself."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    def save_and_run(mode, op, *args, **kwargs):
+        return torch.get_rng_state(), mode.__torch_dispatch__(op, (), args, kwargs)
+
+    def run_with(mode, _state, op, *args, **kwargs):
+        return mode.__torch_dispatch__(op, (), args, kwargs)
+
+    for mode in (Tracker, Recorder):
+        run_and_save_rng_state.py_impl(mode)(save_and_run)
+        run_with_rng_state.py_impl(mode)(run_with)
+
+
+def simulate_step(args, model_config, world_size, ranks_per_node, fused, accumulation):
+    """One optimizer step of `accumulation` micro-steps (1 or 2: a third looks like the second), the second
+    step of two (the first allocates the optimizer state, compiles, and fake DTensors allocate extra once):
+    (peak bytes per rank by category, the step's operations). fused: AdamW's fused kernels (a GPU's)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    simulated = copy.copy(args)
+    simulated.cpu_offload = False  # see simulate(): offloading is subtracted, not simulated
+    track_recomputed_randomness()
+    torch._dynamo.reset()  # a block compiled by an earlier simulation guards on its fake tensors
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    try:
+        mesh = device_mesh(simulated, "cpu", world_size, ranks_per_node)
+        with FakeTensorMode(allow_non_fake_inputs=True):  # the recomputation's saved random state is real
+            device = torch.device("cpu")
+            model = build_model(model_config, simulated, device, mesh, backend=simulated_compiler)
+            optimizer = build_optimizer(model, args, fused=fused)
+            tokens = torch.randint(0, model_config.vocab_size, (args.batch_size, args.seq_length))
+            batches = itertools.repeat((tokens, tokens))
+            train_step(model, batches, optimizer, 1, args.grad_clip, StopRequests())
+            tracker, recorder = Tracker(model, optimizer), Recorder(ranks_per_node)
+            with tracker, recorder:
+                # The tracker takes a second forward of the root for a second iteration; a micro-step is not.
+                hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
+                train_step(model, batches, optimizer, accumulation, args.grad_clip, StopRequests())
+                hook.remove()
+            snapshot = tracker.get_tracker_snapshot("peak")
+    finally:
+        dist.destroy_process_group()
+        torch._dynamo.reset()
+    by_kind = {getattr(kind, "value", kind): size for per_device in snapshot.values()
+               for kind, size in per_device.items()}  # fmt: skip
+    memory = {name: sum(by_kind.get(kind, 0) for kind in kinds) for name, kinds in MEMORY_CATEGORIES.items()}
+    return memory, recorder.operations
+
+
+def simulate(args, model_config, world_size, n_params, ranks_per_node=None, fused=None):
+    """(peak per rank in GB by category, the step's Work) for the dry run's target
+    (a GPU of --gpus_per_node a node, with fused AdamW; or --gpu=cpu) unless ranks_per_node and fused say.
+    DDP's replicas cannot be faked (DDP reads its parameters' data), and CPU tensors on a CPU cannot be told
+    apart from GPU ones: both are estimated from a simulation (DDP_ESTIMATE, OFFLOAD_ESTIMATE)."""
+    ranks_per_node = ranks_per_node or min(args.gpus_per_node, world_size)
+    fused = args.gpu != "cpu" if fused is None else fused
+    accumulation = args.global_batch_size // (args.batch_size * world_size)
+    traced = min(2, accumulation)
+    all_reduce = None
+    if args.sharding == "ddp":
+        as_full = types.SimpleNamespace(**dict(vars(args), sharding="full"))
+        memory, operations = simulate_step(as_full, model_config, 1, 1, fused, traced)
+        memory["gradients"] += 4 * n_params
+        nodes = max(1, world_size // ranks_per_node)
+        all_reduce = Operation(0, 4 * n_params, None, ("all_reduce", 4 * n_params, world_size, nodes))
+    else:
+        memory, operations = simulate_step(args, model_config, world_size, ranks_per_node, fused, traced)
+    if args.cpu_offload:
+        memory.update({name: 0 for name in OFFLOADED})
+    last = max((index for index, operation in enumerate(operations) if operation.backward), default=-1)
+    rest = operations[last + 1 :] + ([all_reduce] if all_reduce else [])
+    work = Work(operations[: last + 1], rest, accumulation / traced)
+    return {name: size / 1e9 for name, size in memory.items()}, work
+
+
+@dataclasses.dataclass
+class Work:
+    """What one rank does in a step: the operations of the micro-steps traced, which stand for all of them
+    times over (each later micro-step does what one of them did on average), then the rest: clipping, the
+    optimizer, DDP's all-reduce."""
+
+    micro_steps: list
+    rest: list
+    times: float

@@ -1,0 +1,157 @@
+"""The predicted step, on one of three bases, each named where it is printed: measured on the run's own
+devices (a probe, run/prediction/probe.py), measured by a benchmark report's probe of this very configuration
+on its nodes, or a roofline from a report's or a datasheet's figures (run/prediction/roofline.py), printed as
+a range. A prediction measured well is kept in the run's log folder with the options and machine it holds for
+and a checksum, so that a later launch of the run (a restart, a requeue) prints it without probing again."""
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+
+from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
+
+KEPT = "prediction.json"
+# A probe measured well when its timed steps lie within KEEP_SPREAD of their median and other work took at
+# most KEEP_OTHERS of the host's cores meanwhile; it is not worth printing past REFUSE_SPREAD (on a quiet
+# machine the grid's probes lay within 10%: docs/PERFORMANCE.md).
+KEEP_SPREAD, KEEP_OTHERS, REFUSE_SPREAD = 0.15, 0.10, 0.5
+PLAUSIBLE_STEP_S = (1e-5, 86400.0)  # a kept step outside this is not one a run measured
+
+
+@dataclasses.dataclass
+class Prediction:
+    """step_s, within [low_s, high_s] (a roofline's range; a measured step is both); its basis (measured,
+    report or roofline) and source (the device or report, in words); the step's micro-steps, one micro-step
+    past the first (0: not measured), the decoder layers' forward per step (what the ranks time while they
+    train; 0: not measured); how the probe's steps varied and how much of the cores other work took."""
+
+    step_s: float
+    low_s: float
+    high_s: float
+    basis: str
+    source: str
+    micro_steps: int
+    micro_step_s: float = 0.0
+    layer_forward_s: float = 0.0
+    spread: float = 0.0
+    others: float = 0.0
+    probe_s: float = 0.0
+
+    @property
+    def measured_well(self):
+        return self.basis != "roofline" and self.spread <= KEEP_SPREAD and self.others <= KEEP_OTHERS
+
+    def line(self):
+        if self.basis == "roofline":
+            return (f"predicted step: {self.low_s:.3g}-{self.high_s:.3g} s, a roofline from {self.source}, "
+                    f"not measured")  # fmt: skip
+        parts = ""
+        if self.micro_step_s:
+            rest = self.step_s - self.micro_steps * self.micro_step_s
+            parts = f" = {self.micro_steps} micro-steps of {self.micro_step_s:.3g} s + the rest {rest:.3g} s"
+        where = f"measured on {self.source}" if self.basis == "measured" else f"from {self.source}"
+        return f"predicted step: {self.step_s:.3g} s{parts} ({where})"
+
+
+def measured(measured_probe, accumulation, source, basis="measured"):
+    """The Prediction of a probe (run/prediction/probe.py's Measured) at the run's accumulation."""
+    step = measured_probe.fitted("step_s", accumulation)
+    micro = measured_probe.fitted("step_s", 2) - measured_probe.fitted("step_s", 1)
+    return Prediction(
+        step, step, step, basis, source, accumulation, micro if measured_probe.accumulation > 1 else 0.0,
+        measured_probe.fitted("layer_forward_s", accumulation), measured_probe.spread, measured_probe.others,
+        measured_probe.seconds,
+    )  # fmt: skip
+
+
+def refusal(prediction):
+    """Why a probe's prediction is not worth printing (its timed steps varied too much), or None."""
+    if prediction.basis == "measured" and prediction.spread > REFUSE_SPREAD:
+        busy = (
+            f", and other work took {prediction.others:.0%} of its cores" if prediction.others > 0.05 else ""
+        )
+        return f"not predicted: this machine's timings varied by {prediction.spread:.0%}{busy}"
+    return None
+
+
+def roofline(bound_s, over, source, accumulation):
+    """The Prediction of a roofline bound_s seconds long, real steps taking over = (least, most) times it."""
+    low, high = bound_s * over[0], bound_s * over[1]
+    return Prediction(math.sqrt(low * high), low, high, "roofline", source, accumulation)
+
+
+def checksum(record):
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+
+
+def keep(log_folder, prediction, holds_for):
+    """Writes a prediction measured well into the run's log folder, with what it holds for (the options that
+    decide the step, the machine) and a checksum; says why where it is not kept. A failed write (a full disk)
+    is a warning, and the run goes on with it."""
+    path = os.path.join(log_folder, KEPT)
+    if not prediction.measured_well:
+        print(f"note: this prediction is not kept for later launches: it was measured while other work used "
+              f"{prediction.others:.0%} of the cores, its steps {prediction.spread:.0%} apart",
+              flush=True)  # fmt: skip
+        return
+    record = {
+        "for": holds_for,
+        "made": time.strftime("%Y-%m-%d %H:%M"),
+        "prediction": dataclasses.asdict(prediction),
+    }
+    try:
+        write_atomically(path, json.dumps({**record, "checksum": checksum(record)}, indent=1))
+    except OSError as error:
+        print(f"warning: cannot keep the prediction in {path} ({error.strerror or error}); a restart will "
+              "predict the step again", file=sys.stderr)  # fmt: skip
+
+
+def kept(log_folder, holds_for):
+    """(the Prediction an earlier launch of this run kept, when) if it holds for these options and this
+    machine; None if there is none or it holds for others. A damaged one (unreadable, checksum or fields
+    wrong, not a regular file) is one warning, set aside, and the step is predicted anew."""
+    path = os.path.join(log_folder, KEPT)
+    try:
+        record = read_json(path)
+        problem = record_problem(record)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, UnsafeFile) as error:
+        problem = str(error)
+    if problem:
+        print(f"warning: {path} is not a kept prediction ({problem[:200]}); it is {set_aside_damaged(path)}, "
+              f"and the step is predicted again", file=sys.stderr, flush=True)  # fmt: skip
+        return None
+    if record["for"] != holds_for:
+        return None
+    return Prediction(**record["prediction"]), record["made"]
+
+
+def record_problem(record):
+    """What makes a kept record unusable, or None."""
+    if not isinstance(record, dict) or set(record) != {"for", "made", "prediction", "checksum"}:
+        return "not a record of a prediction"
+    if record["checksum"] != checksum({key: record[key] for key in ("for", "made", "prediction")}):
+        return "its checksum does not match its content"
+    fields = {field.name: field.type for field in dataclasses.fields(Prediction)}
+    saved = record["prediction"]
+    if not isinstance(saved, dict) or set(saved) != set(fields):
+        return "its prediction lacks fields or has others"
+    for name, value in saved.items():
+        kind = (int, float) if fields[name] is float else fields[name]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{name} is not a {fields[name].__name__}"
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{name} is {value}"
+        if isinstance(value, str) and (len(value) > 200 or not value.isprintable()):
+            return f"{name} holds what is not printable text"
+    low, high = PLAUSIBLE_STEP_S
+    if not all(low <= saved[name] <= high for name in ("step_s", "low_s", "high_s")):
+        return f"a step of {saved['step_s']!r} s is not one a run measured"
+    if not isinstance(record["made"], str) or not record["made"].isprintable() or len(record["made"]) > 40:
+        return "its date is not printable text"
+    return None
