@@ -190,7 +190,8 @@ def main(argv):
         start_time = time.perf_counter()
         if has_auto(args):  # decided once for the run, by rank 0, and kept in its log folder
             choose = functools.partial(choose_auto, args, model_config, meta_model)
-            settle(args, log_folder, int(os.environ.get("RANK", 0)), choose)
+            taking = functools.partial(taking_choice, args, shape)
+            settle(args, log_folder, int(os.environ.get("RANK", 0)), choose, taking)
         own_step = trace_own_step(args, model_config, meta_model, log_folder) if args.predict else None
         device, rank, world_size, mesh = launch.setup_distributed(args, log_folder)
         accumulation = args.global_batch_size // (args.batch_size * world_size)
@@ -287,6 +288,17 @@ def choose_auto(args, model_config, meta_model):
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
     return simulation.choose_on_this_device(args, model_config, n_params, training_path(), device)
+
+
+def taking_choice(args, shape, chosen):
+    """args with a choice of the auto options taken (run/plan.py's settle), each value read and checked as
+    the same option given on the command line: a ConfigError says what is wrong with it."""
+    given = parse_args(
+        [f"--{name}={value}" for name, value in chosen.items()], constants_of(sys.modules[__name__])
+    )
+    taken = types.SimpleNamespace(**{**vars(args), **{name: getattr(given, name) for name in chosen}})
+    options.validate(taken, shape, parse_source(taken)[0])
+    return taken
 
 
 def trace_run(argv):

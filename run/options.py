@@ -32,6 +32,8 @@ POSITIVE = ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_
 NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last", "exclude_stragglers_after")
 
 MAX_RUN_NAME = 200
+# Far beyond the largest clusters (about 100,000 GPUs); what a plan's search and simulation can take.
+MAX_WORLD_SIZE = 1 << 20
 
 # A run folder's record of what it set aside (run/set_aside.py): a --resume_from it names may be gone, pruned
 REWINDS = "rewinds.json"
@@ -143,6 +145,9 @@ def check_combinations(args, shape):
     world_size = launched_world_size(args)
     if world_size <= 0:
         raise ConfigError(f"--world_size must be positive, got {world_size}")
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"--world_size={world_size} is more processes than any cluster runs; use at most "
+                          f"{MAX_WORLD_SIZE:,}")  # fmt: skip
     per_micro_step = (1 if args.batch_size == "auto" else args.batch_size) * world_size
     if args.global_batch_size % per_micro_step:
         raise ConfigError(

@@ -3,15 +3,18 @@ sensible shard-group size, activation checkpointing, the micro-batch at the same
 on fake tensors for its peak memory and predicted on the machine (run/predict.py). --plan lists those that
 fit, fastest first; --sharding=auto, --activation_checkpointing=auto and --batch_size=auto take the fastest.
 A training run makes its choice once: rank 0 writes it to the run's log folder (CHOSEN), and every rank and
-every later launch of the run takes it from there."""
+every later launch of the run with the same options on the same machine takes it from there."""
 
 import json
+import math
 import os
+import sys
 import time
 import types
 
 from common.errors import ConfigError
-from common.files import write_atomically
+from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
+from run.live_prediction import machine_here
 from run.predict import play, with_accumulation
 
 AUTO = "auto"
@@ -19,6 +22,16 @@ CHOSEN = "plan.json"
 CHECKPOINTING = ("none", "op", "selective", "full")
 WAIT_FOR_RANK_0_S = 1800  # the other ranks wait this long for rank 0's choice
 WIDTHS = (12, 14, 5, 9, 16, 8)  # the plan's columns
+# What decides a choice of the auto options, beside the machine: the model and its shape, the batch, the
+# sequence, and every option that changes a candidate's memory or time, the auto options included (those the
+# user fixed narrow the candidates). A choice holds only where each is as it was.
+DECIDES = ("model", "init_from", "n_embd", "n_layer", "n_head", "n_positions", "vocab_size", "data",
+           "tokenizer", "seq_length", "global_batch_size", "mixed_precision", "compile", "cpu_offload",
+           "sharding", "shard_group_size", "activation_checkpointing", "ac_every", "batch_size")  # fmt: skip
+# What auto sets for each option left to it
+SETS = {"sharding": ("sharding", "shard_group_size"), "batch_size": ("batch_size",),
+        "activation_checkpointing": ("activation_checkpointing",)}  # fmt: skip
+FIELDS = (("for", dict), ("options", dict), ("made", str))  # a kept choice's, and their kinds
 
 
 def shardings(args, world_size, ranks_per_node):
@@ -27,11 +40,18 @@ def shardings(args, world_size, ranks_per_node):
     if args.sharding != AUTO:
         return [(args.sharding, args.shard_group_size)]
     tried = [("full", None), ("grad_op", None), ("ddp", None)]
-    for size in range(2, world_size):
+    for size in divisors(world_size):
         nests = ranks_per_node % size == 0 or size % ranks_per_node == 0
-        if world_size % size == 0 and nests:
+        if 1 < size < world_size and nests:
             tried.append(("hybrid", size))
     return tried
+
+
+def divisors(number):
+    """The divisors of number, smallest first, each pair found by its smaller member: square-root many steps,
+    where trying every number below a world of a million processes takes a million."""
+    small = [divisor for divisor in range(1, math.isqrt(number) + 1) if number % divisor == 0]
+    return small + [number // divisor for divisor in reversed(small) if divisor * divisor != number]
 
 
 def batch_sizes(args, world_size):
@@ -102,29 +122,71 @@ def has_auto(args):
     return AUTO in (args.sharding, args.activation_checkpointing, args.batch_size)
 
 
-def settle(args, log_folder, rank, choose):
-    """Sets the auto options of a training run to its choice: the run's earlier one (CHOSEN in its log
-    folder), else rank 0's, made by choose() and written there for the other ranks, which wait for it."""
-    path, world_size = os.path.join(log_folder, CHOSEN), int(os.environ.get("WORLD_SIZE", 1))
-    if rank == 0 and chosen_for(path, world_size) is None:
-        chosen = choose()
-        write_atomically(path, json.dumps({"world_size": world_size, "options": chosen}))
-        flags = " ".join(f"--{key}={value}" for key, value in chosen.items())
-        print(f"chose: {flags} (the fastest that fits; "
-              f"kept in {path} for every relaunch of this run at this world size)", flush=True)  # fmt: skip
+def settle(args, log_folder, rank, choose, taking):
+    """Sets the auto options of a training run to its choice: the run's earlier one (CHOSEN in its log folder)
+    where it was made for these options on this machine, else rank 0's, made by choose() and written there
+    for the other ranks, which wait for it. A choice sets the options left to auto alone, each as the same
+    option on the command line would: taking(chosen) is args with chosen taken, read and checked as such (a
+    ConfigError says why not). A damaged choice is one warning (rank 0's), set aside, and made again."""
+    path, made_for, names = os.path.join(log_folder, CHOSEN), choice_for(args), auto_options(args)
+    kept = kept_choice(path, made_for, names, taking, rank == 0)
+    if rank == 0 and kept:
+        print(f"auto: took {flags(kept[0], names)} from {path}, chosen by the run's launch of {kept[1]}",
+              flush=True)  # fmt: skip
+    elif rank == 0:
+        fastest_fit = choose()
+        chosen = {name: fastest_fit[name] for name in names}
+        kept = taking(chosen), time.strftime("%Y-%m-%d %H:%M")
+        write_atomically(path, json.dumps({"for": made_for, "options": chosen, "made": kept[1]}))
+        print(f"chose: {flags(kept[0], names)} (the fastest that fits; kept in {path} for every relaunch "
+              f"of this run with these options on this machine)", flush=True)  # fmt: skip
     deadline = time.monotonic() + WAIT_FOR_RANK_0_S
-    while (chosen := chosen_for(path, world_size)) is None and time.monotonic() < deadline:
+    while kept is None and time.monotonic() < deadline:
         time.sleep(1.0)
-    if chosen is None:
+        kept = kept_choice(path, made_for, names, taking, speaks=False)
+    if kept is None:
         raise ConfigError(f"rank 0 wrote no choice of the auto options to {path} in {WAIT_FOR_RANK_0_S} s")
-    vars(args).update(chosen)
+    vars(args).update({name: getattr(kept[0], name) for name in names})
 
 
-def chosen_for(path, world_size):
-    """The options a run chose at this world size, or None (none yet, or chosen at another world size)."""
+def flags(taken, names):
+    return " ".join(f"--{name}={getattr(taken, name)}" for name in names)
+
+
+def choice_for(args):
+    """What a choice of the auto options is made for: the options that decide it (DECIDES), and the machine,
+    as many processes on as many nodes."""
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    processes_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return {**{name: getattr(args, name) for name in DECIDES}, **machine_here(world_size, processes_per_node)}
+
+
+def auto_options(args):
+    """The options a choice sets: those that auto sets for each option left to it."""
+    return [name for option, names in SETS.items() if getattr(args, option) == AUTO for name in names]
+
+
+def kept_choice(path, made_for, names, taking, speaks):
+    """(args with the choice kept at path taken, when it was made), if it was made for made_for; None where
+    there is none, or it was made for other options or another machine. A damaged one (not a regular file
+    of a choice's size and shape, options other than names, a value the command line refuses) is set aside
+    and None, with one warning where speaks (rank 0); the other ranks leave it to rank 0."""
     try:
-        with open(path) as file:
-            chosen = json.load(file)
-        return chosen["options"] if chosen["world_size"] == world_size else None
-    except (OSError, ValueError, KeyError, TypeError):
+        record = read_json(path)
+        if not isinstance(record, dict) or not all(isinstance(record.get(k), kind) for k, kind in FIELDS):
+            raise ValueError("it holds no choice: its for, options and made are missing or of other kinds")
+        if record["for"] != made_for:
+            return None
+        chosen = record["options"]
+        if sorted(chosen) != sorted(names) or AUTO in chosen.values():
+            raise ValueError(f"it sets {', '.join(map(str, chosen)) or 'nothing'}, and this launch leaves "
+                             f"{', '.join(names)} to auto")  # fmt: skip
+        return taking(chosen), record["made"]
+    except FileNotFoundError:
+        return None
+    except (OSError, UnsafeFile, ValueError) as error:  # ConfigError too: a value the command line refuses
+        if speaks:
+            why = " ".join(str(error).split())
+            print(f"warning: {path} is not a choice of the auto options this launch can take ({why}); "
+                  f"{set_aside_damaged(path)}, choosing again", file=sys.stderr, flush=True)  # fmt: skip
         return None
