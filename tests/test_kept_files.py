@@ -6,14 +6,11 @@ one line and exit status 2."""
 
 import functools
 import json
-import os
 import re
-import signal
 import types
-from pathlib import Path
 
 import pytest
-from conftest import TINY, parse_options, read_metrics, validated
+from conftest import ODD, TINY, make_odd, parse_options, read_metrics, validated
 
 import train as train_script
 from common.errors import ConfigError
@@ -35,43 +32,6 @@ def test_a_relaunch_at_another_global_batch_chooses_again_and_never_trains_witho
     assert chosen and int(chosen[1]) in (1, 2), again.stdout
     last = read_metrics(tmp_path)[-1]
     assert last["step"] == 2 and last["loss"] > 1 and last["grad_norm"] > 0, last
-
-
-@pytest.fixture
-def deadline():
-    """A read that would hang (a FIFO waiting for a writer, /dev/zero read to its end) fails the test after
-    60 s instead of holding the suite."""
-
-    def expired(*_):
-        raise TimeoutError("the read hung")
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
-
-
-# What can stand where a file is kept, and how its refusal names it
-ODD = {
-    "FIFO": (os.mkfifo, "is a FIFO, not a regular file"),
-    "link to /dev/zero": (
-        lambda path: os.symlink("/dev/zero", path),
-        "is a symbolic link, not a regular file",
-    ),
-    "folder": (os.mkdir, "is a folder, not a regular file"),
-    "file of 2 MB": (
-        lambda path: Path(path).write_bytes(bytes(2_000_000)),
-        "holds more than 1,048,576 bytes",
-    ),
-}
-
-
-def make_odd(path, kind):
-    """An odd file of that kind at path; its refusal's words."""
-    make, words = ODD[kind]
-    make(str(path))
-    return words
 
 
 @pytest.mark.parametrize("kind", ODD)
