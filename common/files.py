@@ -57,7 +57,7 @@ def read_regular(path, limit=RECORD_LIMIT):
     with open_regular(path) as file:
         data = file.read(limit + 1)
     if len(data) > limit:
-        raise UnsafeFile(f"{path} is refused: it holds more than {limit:,} bytes, more than any of its kind")
+        raise UnsafeFile(f"{path} holds more than {limit:,} bytes, more than any of its kind")
     return data
 
 
