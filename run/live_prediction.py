@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from common.files import write_atomically
+from common.files import UnsafeFile, read_json, write_atomically
 from run.predict import Prediction
 
 SLOW_RATIO = 1.25
@@ -102,13 +102,12 @@ def kept(log_folder, machine):
     None if there is none, or it holds for another machine. A damaged one is a warning, and predicted anew."""
     path = os.path.join(log_folder, KEPT)
     try:
-        with open(path) as file:
-            record = json.load(file)
+        record = read_json(path)
         if record["machine"] != machine:
             return None
         return Prediction(**record["prediction"]), record["made"]
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, UnsafeFile, ValueError, KeyError, TypeError) as error:
         print(f"warning: {path} is not a prediction ({error}); predicting the step again", file=sys.stderr)
         return None

@@ -262,7 +262,7 @@ ODD = {
     "folder": (os.mkdir, "is a folder, not a regular file"),
     "file of 2 MB": (
         lambda path: Path(path).write_bytes(bytes(2_000_000)),
-        "holds more than 1,048,576 bytes",
+        "holds more than 1,048,576 bytes, more than any of its kind",
     ),
 }
 

@@ -15,7 +15,7 @@ from conftest import ODD, TINY, make_odd, parse_options, read_metrics, validated
 import train as train_script
 from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, read_regular
-from run import plan
+from run import benchmark_reports, live_prediction, plan, set_aside
 
 
 def test_a_relaunch_at_another_global_batch_chooses_again_and_never_trains_without_micro_steps(
@@ -169,3 +169,45 @@ def test_a_plan_of_a_world_of_2_to_the_40_is_refused_at_once_and_divisors_are_fo
     assert plan.divisors(2**20) == [2**power for power in range(21)]
     hybrid = plan.shardings(types.SimpleNamespace(sharding="auto"), 2**20, 8)[3:]
     assert hybrid == [("hybrid", 2**power) for power in range(1, 20)]
+
+
+@pytest.mark.parametrize("kind", ODD)
+def test_a_record_of_what_was_set_aside_that_is_not_a_regular_file_is_set_aside_itself(
+    tmp_path, capsys, kind, deadline
+):
+    path = tmp_path / "rewinds.json"
+    words = make_odd(path, kind)
+    assert set_aside.recorded(tmp_path) == []
+    [aside] = tmp_path.glob("rewinds.damaged_*.json")
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {path} is damaged ({path} {words}); set aside as {aside}, and the run's record of what it "
+        "set aside starts anew"
+    ]
+    (tmp_path / "step_4").mkdir()
+    set_aside.set_aside(tmp_path, ["step_4"], "rewound", to=2)
+    assert [entry["steps"] for entry in set_aside.recorded(tmp_path)] == [["step_4"]]
+
+
+def test_a_checkpoint_set_aside_as_unusable_is_matched_by_its_whole_name(tmp_path):
+    """step_20 set aside (its steps written as text, not a list) also matched step_2."""
+    (tmp_path / "rewinds.json").write_text(json.dumps([{"unusable": True, "steps": "step_20"}]))
+    assert not set_aside.set_aside_as_unusable(tmp_path, "step_2")
+    (tmp_path / "rewinds.json").write_text(json.dumps([{"unusable": True, "steps": ["step_20"]}]))
+    assert not set_aside.set_aside_as_unusable(tmp_path, "step_2")
+    assert set_aside.set_aside_as_unusable(tmp_path, "step_20")
+
+
+@pytest.mark.parametrize("kind", ODD)
+def test_a_kept_prediction_that_is_not_a_regular_file_is_predicted_anew(tmp_path, capsys, kind, deadline):
+    path = tmp_path / live_prediction.KEPT
+    words = make_odd(path, kind)
+    assert live_prediction.kept(tmp_path, live_prediction.machine_here(2, 2)) is None
+    assert capsys.readouterr().err == (
+        f"warning: {path} is not a prediction ({path} {words}); predicting the step again\n"
+    )
+
+
+@pytest.mark.parametrize("kind", ODD)
+def test_a_benchmark_outcome_that_is_not_a_regular_file_is_no_verdict(tmp_path, kind, deadline):
+    make_odd(tmp_path / "benchmark_1.outcome.json", kind)
+    assert benchmark_reports.read_outcome(tmp_path / "benchmark_1.outcome.json") is None
