@@ -17,6 +17,7 @@ from common.datasheet import datasheet
 from common.nccl_tests import BUSBW_FACTORS, SWEEP_NAMES
 from common.op_timing import TensorMeta, eager_overheads, time_operation
 from run.predict import FAKE_ONLY
+from run.report_figures import newest_report, read_report
 
 # Of a datasheet's dense peak, what a GPU sustains: the best bf16 matmul the MAMF finder reaches on an H100
 # SXM (794.5 of 989.4 TFLOP/s; docs/BENCHMARK_FEATURES.md, "gpu: each GPU", its matmul shapes) and a STREAM
@@ -311,31 +312,3 @@ def processes_here(report, ranks_per_node):
         if hosts
         else ranks_per_node
     )
-
-
-def read_report(path):
-    import yaml
-
-    with open(path) as file:
-        return yaml.safe_load(file)
-
-
-def newest_report(folder, gpu):
-    """The newest cluster report (benchmark_*.yaml, not a node's _rank file) in folder for the target: a CPU
-    report for gpu=cpu, else one whose GPUs' names contain gpu."""
-    import glob
-
-    reports = [p for p in glob.glob(os.path.join(folder, "benchmark_*.yaml")) if "_rank" not in p]
-    for path in sorted(reports, key=os.path.getmtime, reverse=True):
-        try:
-            report = read_report(path)
-            gpus = [
-                g["name"] for g in (report.get("gpu") or {}).values() if isinstance(g, dict) and "name" in g
-            ]
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue
-        if (gpu == "cpu" and report["world"]["device"] == "cpu") or any(
-            gpu.lower() in g.lower() for g in gpus
-        ):
-            return path
-    return None

@@ -17,6 +17,7 @@ import torch
 from common.datasheet import datasheet
 from common.errors import ConfigError
 from common.node import available_memory_bytes
+from run.report_figures import BadReport, measured_elsewhere, read_report
 
 CHOICES = {
     "sharding": ("full", "grad_op", "hybrid", "ddp", "auto"),
@@ -70,6 +71,8 @@ def validate(args, shape, data_kind):
         raise ConfigError(f"--prepare_only prepares wikitext or a local path; --data={args.data} needs none")
     if args.data != "dummy":
         missing_folder("--tokenizer", args.tokenizer)
+    if args.benchmark_report:
+        check_benchmark_report(args)
     if args.dry_run:
         gpu_memory_gb(args.gpu)
         check_simulating_torch()
@@ -286,6 +289,20 @@ def parents(path):
         if path == os.path.dirname(path):
             return
         path = os.path.dirname(path)
+
+
+def check_benchmark_report(args):
+    """--benchmark_report names a report a run can use (run/report_figures.py); a dry run's, one measured on
+    the machine --gpu names."""
+    try:
+        report = read_report(args.benchmark_report)
+    except BadReport as error:
+        raise ConfigError(f"--benchmark_report: {error}; give a report benchmark.py wrote") from None
+    if args.dry_run and (elsewhere := measured_elsewhere(report, args.gpu)):
+        raise ConfigError(
+            f"--benchmark_report={args.benchmark_report}: {elsewhere}; give the --gpu it was measured on, or "
+            f"a report of --gpu={args.gpu}"
+        )
 
 
 def check_trackers(args):
