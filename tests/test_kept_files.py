@@ -12,10 +12,11 @@ import types
 import pytest
 from conftest import ODD, TINY, make_odd, parse_options, read_metrics, validated
 
+import benchmark
 import train as train_script
 from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, read_regular
-from run import benchmark_reports, live_prediction, plan, set_aside
+from run import benchmark_reports, live_prediction, plan, run_log, set_aside
 
 
 def test_a_relaunch_at_another_global_batch_chooses_again_and_never_trains_without_micro_steps(
@@ -211,3 +212,33 @@ def test_a_kept_prediction_that_is_not_a_regular_file_is_predicted_anew(tmp_path
 def test_a_benchmark_outcome_that_is_not_a_regular_file_is_no_verdict(tmp_path, kind, deadline):
     make_odd(tmp_path / "benchmark_1.outcome.json", kind)
     assert benchmark_reports.read_outcome(tmp_path / "benchmark_1.outcome.json") is None
+
+
+@pytest.mark.parametrize("kind", ODD)
+def test_a_config_file_that_is_not_a_regular_file_is_one_line_and_exit_2(tmp_path, kind, deadline):
+    """train.py --config, and the same inside benchmark.py --train_args: a FIFO hung them, a link to
+    /dev/zero read until memory ran out."""
+    path = tmp_path / "c.yaml"
+    words = f"--config: {path} {make_odd(path, kind)}; give a YAML file of name: value lines"
+    with pytest.raises(ConfigError, match=f"^{re.escape(words)}$"):
+        parse_options(["--model=tiny", f"--config={path}"])
+    with pytest.raises(SystemExit) as exit_info:
+        benchmark.traced_model_step(f"--model=tiny --config={path}")
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("kind", ODD)
+def test_a_list_of_benchmark_reports_that_is_not_a_regular_file_is_set_aside_and_begun_again(
+    tmp_path, monkeypatch, capsys, kind, deadline
+):
+    pointer = tmp_path / "benchmark_reports.txt"
+    words = make_odd(pointer, kind)
+    monkeypatch.setenv("BENCHMARK_REPORT", str(tmp_path / "benchmark_7.yaml"))
+    monkeypatch.setenv("SLURM_JOB_ID", "7")
+    run_log.write_run_folder(parse_options(["--model=tiny"]), str(tmp_path))
+    assert pointer.read_text() == f"7: {tmp_path / 'benchmark_7.yaml'}\n"
+    [aside] = tmp_path.glob("benchmark_reports.damaged_*.txt")
+    assert capsys.readouterr().err == (
+        f"warning: {pointer} {words}; set aside as {aside}, and the list of the run's benchmark reports "
+        "starts anew\n"
+    )
