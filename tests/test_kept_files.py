@@ -6,8 +6,10 @@ one line and exit status 2."""
 
 import functools
 import json
+import os
 import re
 import types
+from pathlib import Path
 
 import pytest
 from conftest import ODD, TINY, make_odd, parse_options, read_metrics, validated
@@ -16,7 +18,7 @@ import benchmark
 import train as train_script
 from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, read_regular
-from run import benchmark_reports, live_prediction, plan, run_log, set_aside
+from run import benchmark_reports, launch, live_prediction, plan, run_log, set_aside
 
 
 def test_a_relaunch_at_another_global_batch_chooses_again_and_never_trains_without_micro_steps(
@@ -242,3 +244,16 @@ def test_a_list_of_benchmark_reports_that_is_not_a_regular_file_is_set_aside_and
         f"warning: {pointer} {words}; set aside as {aside}, and the list of the run's benchmark reports "
         "starts anew\n"
     )
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "link to /dev/zero", "file of 2 MB"])
+def test_a_run_lock_that_is_not_a_regular_file_of_a_locks_size_is_taken_over(
+    tmp_path, capsys, kind, deadline
+):
+    """A lock is linked whole, so no live trainer left one of these: a FIFO hung the launch that read it."""
+    make_odd(tmp_path / launch.RUN_LOCK, kind)
+    path = launch.take_run_lock(str(tmp_path))
+    assert json.loads(Path(path).read_text())["pid"] == os.getpid()
+    assert "from no one: it is empty or unreadable" in capsys.readouterr().out
+    launch.release_run_lock(path)
+    assert not os.path.lexists(path)
