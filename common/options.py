@@ -7,6 +7,7 @@ constants, with their comments."""
 import ast
 import contextlib
 import difflib
+import io
 import math
 import os
 import sys
@@ -16,6 +17,7 @@ import typing
 import yaml
 
 from common.errors import ConfigError
+from common.files import UnsafeFile, read_regular
 
 
 def constants_of(script):
@@ -101,9 +103,12 @@ class ConfigLoader(yaml.SafeLoader):
 
 def read_config_file(path, hints):
     try:
-        with open(path) as file:
-            values = yaml.load(file, Loader=ConfigLoader) or {}
-    except (OSError, yaml.YAMLError) as error:
+        stream = io.BytesIO(read_regular(path))
+        stream.name = path  # what an error names
+        values = yaml.load(stream, Loader=ConfigLoader) or {}
+    except UnsafeFile as error:
+        raise ConfigError(f"--config: {error}; give a YAML file of name: value lines") from None
+    except (OSError, yaml.YAMLError, ValueError, RecursionError) as error:
         raise ConfigError(f"--config={path}: {quoted(' '.join(str(error).split()), 300)}") from None
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of name: value, got {type(values).__name__}")

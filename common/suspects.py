@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from common.files import write_atomically
+from common.files import UnsafeFile, read_json, read_regular, set_aside_damaged, write_atomically
 
 SUSPECTS = "suspects"  # the folder, in the run folder
 EXCLUDED = "excluded_nodes"  # the file, in the run folder
@@ -43,9 +43,12 @@ def read_suspects(folder):
         path = os.path.join(folder, name)
         read.append(path)
         try:
-            with open(path) as file:
-                suspects.update(json.load(file)["nodes"])
-        except (OSError, ValueError, KeyError) as error:
+            nodes = read_json(path)["nodes"]
+            named = isinstance(nodes, dict) and all(map(is_node_name, nodes))
+            if not (named and all(isinstance(why, str) for why in nodes.values())):
+                raise ValueError(f"its nodes are {json.dumps(nodes)[:40]}, not a record of node: why")
+            suspects.update({node: " ".join(why.split()) for node, why in nodes.items()})  # a line each
+        except (OSError, UnsafeFile, ValueError, KeyError, TypeError) as error:
             print(f"warning: {path} is unreadable ({error}); ignored", file=sys.stderr)
     return suspects, read
 
@@ -54,13 +57,23 @@ def read_excluded(run_folder):
     """{node: why} of the excluded_nodes file, and whether its last line is whole. A damaged one (a torn
     line, bytes that are not text) is read as far as it goes: the nodes it still names stay out, and new
     ones can be added."""
+    path = os.path.join(run_folder, EXCLUDED)
     try:
-        with open(os.path.join(run_folder, EXCLUDED), "rb") as file:
-            data = file.read()
+        data = read_regular(path)
     except FileNotFoundError:
+        return {}, True
+    except UnsafeFile as error:  # a file of another kind lists no node (and an append to a FIFO would wait)
+        print(f"warning: {error}; {set_aside_damaged(path)}, and the nodes left out are listed anew",
+              file=sys.stderr, flush=True)  # fmt: skip
         return {}, True
     rows = [line.split("\t") for line in data.decode("utf-8", errors="replace").splitlines()]
     return {row[0]: row[-1] for row in rows if len(row) == 3}, data.endswith(b"\n") or not data
+
+
+def is_node_name(text):
+    """Whether text can be a node's name, as excluded_nodes holds it at the start of a line: printable text
+    with no space or tab."""
+    return isinstance(text, str) and text.isprintable() and text != "" and len(text.split()) == 1
 
 
 def exclude(run_folder, limit):

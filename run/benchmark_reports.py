@@ -4,11 +4,11 @@ Standard library only (see run/slurm.py)."""
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from pathlib import Path
 
+from common.files import UnsafeFile, read_json
 from run import slurm
 
 
@@ -31,9 +31,8 @@ def read_outcome(path):
     """benchmark.py's outcome: {"verdict": pass, warn or fail, "report": its path, "failed_nodes": {node:
     why}}; None where it wrote none, having stopped before a verdict (bad input, a crash, a stop)."""
     try:
-        with open(path) as file:
-            outcome = json.load(file)
-    except (OSError, ValueError):
+        outcome = read_json(path)
+    except (OSError, UnsafeFile, ValueError):
         return None
     valid = isinstance(outcome, dict) and outcome.get("verdict") in ("pass", "warn", "fail")
     return outcome if valid and isinstance(outcome.get("failed_nodes"), dict) else None

@@ -4,8 +4,11 @@ due(step) itself, and tells the schedule how long each save blocked training."""
 
 import math
 import os
+import sys
 
 import torch.distributed as dist
+
+from run.report_figures import BadReport, read_report
 
 # Before the first save is timed, the checkpoint is estimated from the parameter count (fp32 weights and two
 # AdamW moments) over the benchmark's parallel write rate, or this rate without a benchmark report.
@@ -64,13 +67,18 @@ class CheckpointSchedule:
         )
 
 
-def benchmark_write_GBps():
-    """The parallel write rate of the job's benchmark report ($BENCHMARK_REPORT), else ASSUMED_WRITE_GBPS."""
-    import yaml
-
-    try:
-        with open(os.environ["BENCHMARK_REPORT"]) as file:
-            rate = yaml.safe_load(file)["storage"]["aggregate"]["parallel_write_GB/s"]
-        return float(rate) if rate and float(rate) > 0 else ASSUMED_WRITE_GBPS
-    except (KeyError, OSError, TypeError, ValueError, yaml.YAMLError):
+def benchmark_write_GBps(master):
+    """The parallel write rate of the job's benchmark report ($BENCHMARK_REPORT), else ASSUMED_WRITE_GBPS:
+    also where the report is not one a run can use (rank 0 says so, once)."""
+    path = os.environ.get("BENCHMARK_REPORT")
+    if not path:
         return ASSUMED_WRITE_GBPS
+    try:
+        aggregate = (read_report(path).get("storage") or {}).get("aggregate")
+    except BadReport as error:
+        if master:
+            print(f"warning: BENCHMARK_REPORT: {error}; the first checkpoint is estimated at "
+                  f"{ASSUMED_WRITE_GBPS:g} GB/s", file=sys.stderr, flush=True)  # fmt: skip
+        return ASSUMED_WRITE_GBPS
+    rate = aggregate.get("parallel_write_GB/s") if isinstance(aggregate, dict) else None
+    return rate or ASSUMED_WRITE_GBPS  # checked, where the report has it

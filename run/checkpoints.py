@@ -97,7 +97,7 @@ class Checkpointer:
         self.args, self.shape, self.rank, self.world_size = args, shape, rank, world_size
         self.run_dir = os.path.join(args.checkpoint_dir, args.run_name)
         nodes = world_size // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        write_GBps = benchmark_write_GBps() if args.checkpoint_every == "auto" else None
+        write_GBps = benchmark_write_GBps(rank == 0) if args.checkpoint_every == "auto" else None
         self.schedule = CheckpointSchedule(
             args.checkpoint_every, n_params, nodes, args.node_mtbf_hours, write_GBps
         )

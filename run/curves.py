@@ -7,7 +7,7 @@ import os
 import sys
 
 from common.errors import ConfigError
-from common.files import matplotlib_writes_under
+from common.files import UnsafeFile, matplotlib_writes_under, read_json
 from run import goodput
 
 
@@ -99,10 +99,9 @@ def plot_goodput(axis, path):
     from matplotlib.ticker import PercentFormatter
 
     try:
-        with open(path) as file:
-            figures = json.load(file)
+        figures = read_json(path)
         shares = {part: figures[part] / figures["wall_s"] for part in ("productive_s", *goodput.SHOWN)}
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    except (OSError, UnsafeFile, ValueError, KeyError, TypeError, ZeroDivisionError):
         shares = {}
     axis.set_title(
         f"where the run's {duration(figures['wall_s'])} went (goodput.json)" if shares else "goodput"

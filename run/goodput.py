@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from common.files import write_atomically
+from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
 
 LEDGER = "goodput.json"
 RECOVERY = "recovery.json"  # the job's part of a recovery, for the next launch's ledger
@@ -101,6 +101,8 @@ def ledger_problem(totals, marks):
     wall = marks["updated"] - marks["first_start"]
     if longer := next((part for part in PARTS if totals[part] > wall + CLOCK_SLACK_S), None):
         return f"{longer} is {totals[longer]:.4g} s, longer than the run's {max(wall, 0):.4g} s"
+    if (counted := sum(totals[part] for part in PARTS)) > wall + CLOCK_SLACK_S:
+        return f"its parts add up to {counted:.4g} s, more than the run's {max(wall, 0):.4g} s"
     if type(marks["step"]) is not int or marks["step"] < 0:
         return f"marks.step is {json.dumps(marks['step'])[:40]}, not a step number"
     saves = marks["at_checkpoint"]
@@ -138,16 +140,23 @@ class Ledger:
 
     def read_earlier_launches(self):
         try:
-            with open(self.path) as file:
-                saved = json.load(file)
+            saved = read_json(self.path)
             totals = {key: saved[key] for key in self.totals}
             marks = {**self.marks, **saved["marks"], "first_start": saved["marks"]["first_start"]}
             if problem := ledger_problem(totals, marks):
                 raise ValueError(problem)
+            if not isinstance(recoveries := saved.get("recoveries", []), list):
+                raise ValueError(f"its recoveries are {json.dumps(recoveries)[:40]}, not a list")
             self.totals, self.marks = totals, marks
-            self.recoveries = [entry for entry in saved.get("recoveries", []) if whole_recovery(entry)]
+            problems = [recovered_problem(entry) for entry in recoveries]
+            self.recoveries = [entry for entry, problem in zip(recoveries, problems) if not problem]
+            if left_out := [problem for problem in problems if problem]:
+                print(f"warning: {self.path}: {len(left_out)} of its recoveries are damaged ({left_out[0]}); "
+                      "they are left out of the run's account", file=sys.stderr, flush=True)  # fmt: skip
         except FileNotFoundError:
             pass
+        except UnsafeFile as error:
+            self.set_aside(error)
         except OSError as error:
             self.set_aside(error.strerror)
         except KeyError as error:
@@ -157,14 +166,8 @@ class Ledger:
 
     def set_aside(self, why):
         """A damaged ledger is renamed, so that this launch's writes keep it, and said in one warning."""
-        when = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        aside = f"{os.path.splitext(self.path)[0]}.damaged_{when}.json"
-        try:
-            os.rename(self.path, aside)
-            kept = f"set aside as {aside}"
-        except OSError:
-            kept = "left as it is"
-        print(f"warning: {self.path} is damaged ({why}); {kept}, and the run's time is counted from this "
+        aside = set_aside_damaged(self.path)
+        print(f"warning: {self.path} is damaged ({why}); {aside}, and the run's time is counted from this "
               f"launch", file=sys.stderr, flush=True)  # fmt: skip
 
     def resumed_at(self, step, mean_step_s):
@@ -287,10 +290,17 @@ class Ledger:
         return line + recoveries_cost(self.recoveries)
 
 
-def whole_recovery(entry):
-    """Whether a recovery read back has every figure the end-of-launch line sums."""
-    figures = (*RECOVERY_PARTS, "lost_steps", "cost_s")
-    return isinstance(entry, dict) and all(isinstance(entry.get(name), (int, float)) for name in figures)
+def recovered_problem(entry):
+    """Why a recovery the ledger read back cannot be summed, or None: each figure the end-of-launch line sums
+    a finite number of seconds, its lost steps a whole number."""
+    if not isinstance(entry, dict):
+        return f"{json.dumps(entry)[:40]} is not a record"
+    if type(entry.get("lost_steps")) is not int or entry["lost_steps"] < 0:
+        return f"its lost_steps is {json.dumps(entry.get('lost_steps'))[:40]}, not a whole number 0 or more"
+    for name in (*RECOVERY_PARTS, "cost_s"):
+        if why := not_seconds(entry.get(name)):
+            return f"its {name} is {why}"
+    return None
 
 
 def recoveries_cost(recoveries):
@@ -324,18 +334,42 @@ def relaunching(folder):
 
 
 def read_recovery(folder):
-    """recovery.json, or None where there is none, or it is damaged (a warning: that recovery goes
-    unrecorded)."""
+    """recovery.json, or None where there is none, or it is damaged: a warning, it is set aside, and that
+    recovery goes unrecorded."""
     path = os.path.join(folder, RECOVERY)
     try:
-        with open(path) as file:
-            recovery = json.load(file)
-        times = ("failed_at", "detected_at", "ended_at")
-        if not all(isinstance(recovery.get(name), (int, float)) for name in times):
-            raise ValueError("a time is not a number")
+        recovery = read_json(path)
+        if problem := recovery_problem(recovery):
+            raise ValueError(problem)
         return recovery
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, AttributeError) as error:
-        print(f"warning: {path} is unreadable ({error}); that recovery goes unrecorded", file=sys.stderr)
+    except (OSError, UnsafeFile, ValueError) as error:
+        print(f"warning: {path} is unreadable ({error}); {set_aside_damaged(path)}, and that recovery goes "
+              "unrecorded", file=sys.stderr, flush=True)  # fmt: skip
         return None
+
+
+def recovery_problem(recovery):
+    """Why the job's part of a recovery, read back, cannot be used, or None: its cause and action are text,
+    its nodes {node: why}, its times epoch seconds no later than now (give or take CLOCK_SLACK_S)."""
+    if not isinstance(recovery, dict):
+        return f"{json.dumps(recovery)[:40]} is not a record"
+    for name in ("cause", "action"):
+        if not isinstance(recovery.get(name), str):
+            return f"its {name} is {json.dumps(recovery.get(name))[:40]}, not text"
+    nodes = recovery.get("nodes")
+    if not (isinstance(nodes, dict) and all(isinstance(why, str) for why in nodes.values())):
+        return f"its nodes are {json.dumps(nodes)[:40]}, not a record of node: why"
+    times = (
+        "failed_at",
+        "detected_at",
+        "ended_at",
+        *(["relaunched_at"] if "relaunched_at" in recovery else []),
+    )
+    for name in times:
+        if why := not_seconds(recovery[name] if name in recovery else None):
+            return f"its {name} is {why}"
+        if recovery[name] > time.time() + CLOCK_SLACK_S:
+            return f"its {name} is {recovery[name]:.0f}, a time yet to come"
+    return None

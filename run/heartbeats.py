@@ -7,16 +7,24 @@ Standard library only: the job may run on a python without torch (run/slurm.py).
 import atexit
 import contextlib
 import json
+import math
 import os
 import sys
 import time
 
-from common.files import write_atomically
+from common.files import UnsafeFile, read_json, write_atomically
 from common.node import node_name
 
 HEARTBEAT_S = 5.0  # each rank's heartbeat file is rewritten this often
 SILENT_S = 4 * HEARTBEAT_S  # a heartbeat this old: the rank's process is stopped, dead or cut off
 FOLDER = "heartbeats"  # in the run folder
+FIELDS = {
+    "token": str,
+    "node": str,
+    "steps": int,
+    "ended": bool,
+    "waiting": bool,
+}  # a beat's, and their kinds
 
 
 def waiting_in_collective(thread_id):
@@ -26,18 +34,42 @@ def waiting_in_collective(thread_id):
     return frame is not None and f"torch{os.sep}distributed{os.sep}" in frame.f_code.co_filename
 
 
-def read_beats(folder, world_size, token=None):
-    """{rank: beat} of <folder>/rank<R>.json, of the launch named token (None: of any launch)."""
+def read_beats(folder, world_size, token=None, damaged=None):
+    """{rank: beat} of <folder>/rank<R>.json, of the launch named token (None: of any launch). A beat that is
+    not a regular file of a record's size with a beat's fields is left out until its rank writes it again,
+    with one warning where damaged, the set of the files already warned of, is given."""
     beats = {}
     for rank in range(world_size):
+        path = os.path.join(folder, f"rank{rank}.json")
         try:
-            with open(os.path.join(folder, f"rank{rank}.json")) as file:
-                beat = json.load(file)
-        except (OSError, ValueError):
+            beat = read_json(path)
+            if problem := beat_problem(beat):
+                raise ValueError(problem)
+        except FileNotFoundError:
             continue
-        if isinstance(beat, dict) and (token is None or beat.get("token") == token):
+        except (OSError, UnsafeFile, ValueError) as error:
+            if damaged is not None and path not in damaged:
+                damaged.add(path)
+                print(f"warning: heartbeat {path} is damaged ({error}); left out until its rank writes it "
+                      "again", file=sys.stderr, flush=True)  # fmt: skip
+            continue
+        if token is None or beat["token"] == token:
             beats[rank] = beat
     return beats
+
+
+def beat_problem(beat):
+    """Why a heartbeat read back cannot be used, or None: each field of the kind Heartbeats.write gives it,
+    its steps a count, its time a finite number of seconds since the epoch."""
+    if not isinstance(beat, dict):
+        return f"{json.dumps(beat)[:40]} is not a record"
+    for name, kind in FIELDS.items():
+        if type(beat.get(name)) is not kind:
+            return f"its {name} is {json.dumps(beat.get(name))[:40]}, not {kind.__name__}"
+    seconds = beat.get("time")
+    if type(seconds) not in (int, float) or not 0 <= seconds < math.inf:
+        return f"its time is {json.dumps(seconds)[:40]}, not a time since the epoch"
+    return None if beat["steps"] >= 0 else f"its steps are {beat['steps']}"
 
 
 class Heartbeats:
@@ -50,6 +82,7 @@ class Heartbeats:
         self.folder, self.rank, self.world_size = os.path.join(folder, FOLDER), rank, world_size
         self.token, self.thread_id, self.node, self.last, self.steps = token, thread_id, node_name(), 0.0, 0
         self.unwritten = False  # whether a write failed, which is said once
+        self.damaged = set()  # the beats found damaged, each said once
         os.makedirs(self.folder, exist_ok=True)
         atexit.register(self.write, ended=True)  # not reached by a killed, stopped or hung (_exit) rank
 
@@ -82,7 +115,7 @@ class Heartbeats:
         else, every beat being fresh, the ranks that still compute while every other waits in a collective
         for them. {} when the heartbeats cannot tell yet (a late beat), or at all (all waiting: the network,
         or a collective no rank can finish)."""
-        beats, now = read_beats(self.folder, self.world_size, self.token), time.time()
+        beats, now = read_beats(self.folder, self.world_size, self.token, self.damaged), time.time()
         ages = {rank: now - beat["time"] for rank, beat in beats.items()}
         silent = {rank: age for rank, age in ages.items() if age > SILENT_S and not beats[rank]["ended"]}
         if silent:
@@ -112,16 +145,16 @@ class LaunchBeats:
 
     def __init__(self, run_folder, world_size, started):
         self.folder, self.world_size, self.started = os.path.join(run_folder, FOLDER), world_size, started
-        self.token, self.steps, self.progress_at = None, {}, started
+        self.token, self.steps, self.progress_at, self.damaged = None, {}, started, set()
 
     def read(self):
         if self.token is None:
-            beats = read_beats(self.folder, self.world_size).values()
+            beats = read_beats(self.folder, self.world_size, damaged=self.damaged).values()
             fresh = [beat for beat in beats if beat["time"] >= self.started]
             if not fresh:
                 return {}
             self.token = min(fresh, key=lambda beat: beat["time"])["token"]
-        beats = read_beats(self.folder, self.world_size, self.token)
+        beats = read_beats(self.folder, self.world_size, self.token, self.damaged)
         for rank, beat in beats.items():
             if beat["steps"] > self.steps.get(rank, 0):
                 self.steps[rank], self.progress_at = beat["steps"], max(self.progress_at, beat["time"])

@@ -11,7 +11,6 @@ benchmark.py under benchmark_only.sh. Outside SLURM the same phases run on this 
 Every call to SLURM goes through run/slurm.py. Standard library only (see run/slurm.py)."""
 
 import argparse
-import json
 import os
 import shlex
 import shutil
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 from common import suspects
-from common.files import write_atomically
+from common.files import read_json, write_atomically
 from common.node import node_name
 from run import goodput, slurm
 from run.benchmark_reports import (
@@ -253,8 +252,7 @@ class Job(Recovery):
             command = [self.python, "train.py", "--check_only", *train_args]
             if self.scheduler.check(self.nodes[0], command, env, self.knobs.CONTAINER_IMAGE) != 0:
                 return None
-            with open(checked) as file:
-                return json.load(file)["log_folder"]
+            return read_json(checked)["log_folder"]
 
     def check(self, train_args):
         run_folder = self.options_fit(train_args, len(self.training))
@@ -372,13 +370,18 @@ class Job(Recovery):
             nodes, [*torchrun, script, *args], {**self.environ, **env}
         )
         training = self.run_folder if script == "train.py" else None
-        watch = Watch(process, training, self.nproc * len(nodes), self.beats_s)
-        while process.poll() is None:
-            self.handle_signals()
-            if watch.look():
-                log(f"{watch.seen}, and the launch goes on: ending it")
+        try:
+            watch = Watch(process, training, self.nproc * len(nodes), self.beats_s)
+            while process.poll() is None:
+                self.handle_signals()
+                if watch.look():
+                    log(f"{watch.seen}, and the launch goes on: ending it")
+                    self.scheduler.end(process)
+                time.sleep(self.poll_s)
+        except BaseException:  # whatever stops the job (a JobError, a bug) ends the launch: none left running
+            if process.poll() is None:
                 self.scheduler.end(process)
-            time.sleep(self.poll_s)
+            raise
         self.handle_signals()
         self.process = None
         return watch.finish(process.returncode)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from common.errors import ConfigError, exit_after_the_speaker, fail
+from common.files import UnsafeFile, read_json
 from common.node import available_memory_bytes, local_device
 from run.checkpoints import checkpoint_step
 from run.options import launched_world_size
@@ -105,12 +106,13 @@ def take_run_lock(run_dir):
             except FileExistsError:
                 pass
             try:
-                with open(path) as file:
-                    holder = json.load(file)
+                holder = read_json(path)
+                if not isinstance(holder, dict):
+                    raise ValueError("not a lock")
                 age = time.time() - os.path.getmtime(path)
             except FileNotFoundError:  # released meanwhile
                 continue
-            except (OSError, ValueError):  # a lock is linked whole: an unreadable one has no live holder
+            except (OSError, UnsafeFile, ValueError):  # a lock is linked whole: one unreadable has no holder
                 holder, age = {"unreadable": True}, 0.0
             if not lock_is_stale(holder, age):
                 job = f", SLURM job {holder['job_id']}" if holder.get("job_id") else ""
@@ -144,10 +146,9 @@ def take_run_lock(run_dir):
 
 def release_run_lock(path):
     """Removes the lock if this process holds it; path is None on ranks other than 0."""
-    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-        with open(path) as file:
-            if json.load(file)["pid"] == os.getpid():
-                os.remove(path)
+    with contextlib.suppress(OSError, UnsafeFile, ValueError, KeyError, TypeError):
+        if read_json(path)["pid"] == os.getpid():
+            os.remove(path)
 
 
 def setup_distributed(args, log_folder):

@@ -17,6 +17,7 @@ import torch
 from common.datasheet import datasheet
 from common.errors import ConfigError
 from common.node import available_memory_bytes
+from run.report_figures import BadReport, measured_elsewhere, read_report
 
 CHOICES = {
     "sharding": ("full", "grad_op", "hybrid", "ddp", "auto"),
@@ -32,6 +33,8 @@ POSITIVE = ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_
 NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last", "exclude_stragglers_after")
 
 MAX_RUN_NAME = 200
+# Far beyond the largest clusters (about 100,000 GPUs); what a plan's search and simulation can take.
+MAX_WORLD_SIZE = 1 << 20
 
 # A run folder's record of what it set aside (run/set_aside.py): a --resume_from it names may be gone, pruned
 REWINDS = "rewinds.json"
@@ -68,6 +71,8 @@ def validate(args, shape, data_kind):
         raise ConfigError(f"--prepare_only prepares wikitext or a local path; --data={args.data} needs none")
     if args.data != "dummy":
         missing_folder("--tokenizer", args.tokenizer)
+    if args.benchmark_report:
+        check_benchmark_report(args)
     if args.dry_run:
         gpu_memory_gb(args.gpu)
         check_simulating_torch()
@@ -143,6 +148,9 @@ def check_combinations(args, shape):
     world_size = launched_world_size(args)
     if world_size <= 0:
         raise ConfigError(f"--world_size must be positive, got {world_size}")
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"--world_size={world_size} is more processes than any cluster runs; use at most "
+                          f"{MAX_WORLD_SIZE:,}")  # fmt: skip
     per_micro_step = (1 if args.batch_size == "auto" else args.batch_size) * world_size
     if args.global_batch_size % per_micro_step:
         raise ConfigError(
@@ -281,6 +289,20 @@ def parents(path):
         if path == os.path.dirname(path):
             return
         path = os.path.dirname(path)
+
+
+def check_benchmark_report(args):
+    """--benchmark_report names a report a run can use (run/report_figures.py); a dry run's, one measured on
+    the machine --gpu names."""
+    try:
+        report = read_report(args.benchmark_report)
+    except BadReport as error:
+        raise ConfigError(f"--benchmark_report: {error}; give a report benchmark.py wrote") from None
+    if args.dry_run and (elsewhere := measured_elsewhere(report, args.gpu)):
+        raise ConfigError(
+            f"--benchmark_report={args.benchmark_report}: {elsewhere}; give the --gpu it was measured on, or "
+            f"a report of --gpu={args.gpu}"
+        )
 
 
 def check_trackers(args):

@@ -9,7 +9,7 @@ import threading
 
 import yaml
 
-from common.files import append_whole, write_atomically
+from common.files import UnsafeFile, append_whole, read_regular, set_aside_damaged, write_atomically
 
 
 class RunLog:
@@ -112,6 +112,14 @@ def write_run_folder(args, folder):
     report = os.environ.get("BENCHMARK_REPORT")
     if report:
         pointer = os.path.join(folder, "benchmark_reports.txt")
-        known = open(pointer).read().splitlines() if os.path.exists(pointer) else []
+        try:
+            known = read_regular(pointer).decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            known = []
+        except (OSError, UnsafeFile) as error:
+            aside = set_aside_damaged(pointer)
+            print(f"warning: {error}; {aside}, and the list of the run's benchmark reports starts anew",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            known = []
         line = f"{os.environ.get('SLURM_JOB_ID', 'no SLURM job')}: {os.path.abspath(report)}"
         write_atomically(pointer, "\n".join(dict.fromkeys([*known, line])) + "\n")

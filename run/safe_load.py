@@ -19,7 +19,6 @@ import io
 import os
 import pickle
 import re
-import stat
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -36,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from common.files import UnsafeFile, open_regular, read_regular
 from run.state_match import difference, saved_entries, state_entries
 
 METADATA = ".metadata"
@@ -80,43 +80,9 @@ BUILT = (
 # MetadataUnpickler reads in 80 s (0.6 s a MB).
 METADATA_LIMIT = 1 << 30
 
-KINDS = {
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFLNK: "a symbolic link",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFDIR: "a folder",
-}
-
-
-class UnsafeFile(Exception):
-    """A file refused before it is loaded: it would run code, read beyond its folder, or load another
-    model's tensors."""
-
 
 class Refused(Exception):
     """A part of a checkpoint's file refused while DCP reads it; SafeReader names the file."""
-
-
-def open_regular(path):
-    """path opened for reading if it is a regular file: a FIFO would block the read forever, a device never
-    end (/dev/zero), a link lead out of the folder. Its kind is checked before it is opened (lstat) and again
-    on what was opened (fstat), so that a file swapped in between is refused too; it is opened without
-    following a link and without blocking (opening a FIFO waits for a writer)."""
-    refuse_irregular(path, os.lstat(path).st_mode)
-    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        refuse_irregular(path, os.fstat(descriptor).st_mode)
-    except UnsafeFile:
-        os.close(descriptor)
-        raise
-    return os.fdopen(descriptor, "rb")
-
-
-def refuse_irregular(path, mode):
-    if not stat.S_ISREG(mode):
-        raise UnsafeFile(f"{path} is {KINDS.get(stat.S_IFMT(mode), 'not a file')}, not a regular file")
 
 
 def plain_name(name):
@@ -160,11 +126,7 @@ def read_metadata(folder):
     folder; UnsafeFile says why it is refused. It is read whole first: a pickle that declares more bytes
     than it holds then allocates no more than the file's size."""
     path = os.path.join(folder, METADATA)
-    with open_regular(path) as file:
-        size = os.fstat(file.fileno()).st_size
-        if size > METADATA_LIMIT:
-            raise UnsafeFile(f"{path} is refused: it is {size} bytes, more than any checkpoint's metadata")
-        data = file.read(size)
+    data = read_regular(path, METADATA_LIMIT)
     try:
         metadata = MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as error:  # whatever a crafted pickle makes the unpickler raise (MemoryError included)

@@ -6,20 +6,30 @@ instead of failing on a folder that has gone."""
 
 import json
 import os
+import sys
 import time
 
-from common.files import write_atomically
+from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
 from run.options import REWINDS
 
 
 def recorded(run_dir):
-    """The run's record of what it set aside, oldest first: [] when there is none, or it is unreadable."""
+    """The run's record of what it set aside, oldest first, each entry with the list of steps it names: []
+    when there is none. A damaged one (not a regular file of a record's size, not a list) is one warning and
+    is set aside itself (rank 0 alone reads it)."""
+    path = os.path.join(run_dir, REWINDS)
     try:
-        with open(os.path.join(run_dir, REWINDS)) as file:
-            entries = json.load(file)
-    except (OSError, ValueError):
+        entries = read_json(path)
+        if not isinstance(entries, list):
+            raise ValueError(f"it holds {json.dumps(entries)[:40]}, not a list of records")
+    except FileNotFoundError:
         return []
-    return [entry for entry in entries if isinstance(entry, dict)] if isinstance(entries, list) else []
+    except (OSError, UnsafeFile, ValueError) as error:
+        aside = set_aside_damaged(path)
+        print(f"warning: {path} is damaged ({error}); {aside}, and the run's record of what it set aside "
+              "starts anew", file=sys.stderr, flush=True)  # fmt: skip
+        return []
+    return [entry for entry in entries if isinstance(entry, dict) and isinstance(entry.get("steps"), list)]
 
 
 def set_aside(run_dir, names, why, **entry):

@@ -2,6 +2,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -234,6 +235,43 @@ def small_disks(tmp_path_factory):
     yield mount
     for folder in mounted:
         subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.fixture
+def deadline():
+    """A read that would hang (a FIFO waiting for a writer, /dev/zero read to its end) fails the test after
+    60 s instead of holding the suite."""
+
+    def expired(*_):
+        raise TimeoutError("the read hung")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+# What can stand where a file is kept, and how its refusal names it (common/files.py)
+ODD = {
+    "FIFO": (os.mkfifo, "is a FIFO, not a regular file"),
+    "link to /dev/zero": (
+        lambda path: os.symlink("/dev/zero", path),
+        "is a symbolic link, not a regular file",
+    ),
+    "folder": (os.mkdir, "is a folder, not a regular file"),
+    "file of 2 MB": (
+        lambda path: Path(path).write_bytes(bytes(2_000_000)),
+        "holds more than 1,048,576 bytes, more than any of its kind",
+    ),
+}
+
+
+def make_odd(path, kind):
+    """An odd file of that kind at path; its refusal's words."""
+    make, words = ODD[kind]
+    make(str(path))
+    return words
 
 
 def fill_disk(folder):

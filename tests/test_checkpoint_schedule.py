@@ -6,8 +6,10 @@ import math
 
 import pytest
 import torch.distributed as dist
+import yaml
+from conftest import ODD, make_odd
 
-from run.checkpoint_schedule import CheckpointSchedule
+from run.checkpoint_schedule import ASSUMED_WRITE_GBPS, CheckpointSchedule, benchmark_write_GBps
 
 # a 30 s save, 6,335 h between failures of one node, 4 nodes: M = 6,335 x 3,600 / 4 = 5,701,500 s, and
 # T = sqrt(2 x 30 x 5,701,500) = 18,495.4 s, which is 9,248 steps of 2 s
@@ -51,3 +53,36 @@ def test_a_relaunched_auto_run_counts_the_interval_from_the_checkpoint_it_resume
     schedule.resumed(20_000)
     schedule.choose(2.0)
     assert not schedule.due(20_001) and schedule.due(20_000 + schedule.steps)
+
+
+def report_writing(rate):
+    """A benchmark report whose storage check measured this parallel write rate."""
+    return {
+        "world": {"device": "cuda", "ranks_per_node": 8},
+        "storage": {"aggregate": {"parallel_write_GB/s": rate}},
+    }
+
+
+@pytest.mark.parametrize("case", ["a rate of 1e-320", "a NaN rate", "FIFO", "link to /dev/zero"])
+def test_a_write_rate_no_storage_writes_at_is_one_warning_and_the_assumed_rate(
+    tmp_path, monkeypatch, capsys, process_group, case, deadline
+):
+    """The job's report ($BENCHMARK_REPORT) with a write rate of 1e-320 gave an OverflowError mid-training,
+    before any checkpoint; a FIFO in its place hung the run."""
+    path = tmp_path / "benchmark_1.yaml"
+    monkeypatch.setenv("BENCHMARK_REPORT", str(path))
+    path.write_text(yaml.safe_dump(report_writing(2.5)))
+    assert benchmark_write_GBps(master=True) == 2.5
+    path.unlink()
+    if case in ODD:
+        make_odd(path, case)
+    else:
+        path.write_text(yaml.safe_dump(report_writing(1e-320 if case == "a rate of 1e-320" else math.nan)))
+    assert benchmark_write_GBps(master=True) == benchmark_write_GBps(master=False) == ASSUMED_WRITE_GBPS
+    [warning] = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"warning: BENCHMARK_REPORT: {path} ") and warning.endswith(
+        "; the first checkpoint is estimated at 1 GB/s"
+    ), warning
+    schedule = CheckpointSchedule("auto", 8e9, NODES, MTBF_HOURS, ASSUMED_WRITE_GBPS)
+    schedule.choose(1e-3)
+    assert 0 < schedule.steps < math.inf

@@ -7,7 +7,7 @@ import signal
 import time
 
 import pytest
-from conftest import TINY, fill_disk, run_training, run_until
+from conftest import ODD, TINY, fill_disk, make_odd, run_training, run_until
 
 from common.files import create_atomically
 from run import goodput
@@ -221,3 +221,88 @@ def test_a_damaged_recovery_file_goes_unrecorded_with_a_warning(tmp_path, capsys
     ledger.write()
     assert json.loads((tmp_path / goodput.LEDGER).read_text())["recoveries"] == []
     assert f"warning: {tmp_path / goodput.RECOVERY} is unreadable (" in capsys.readouterr().err
+
+
+def job_recovery(change):
+    """The job's part of a recovery in place, 30 s ago, as goodput.write_recovery writes it, changed."""
+    now = time.time()
+    recovery = {"cause": "crash", "nodes": {}, "action": "in place", "failed_at": now - 30,
+                "detected_at": now - 20, "ended_at": now - 10}  # fmt: skip
+    change(recovery)
+    return recovery
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda r: r.pop("cause"), "its cause is null, not text"),
+        (lambda r: r.update(relaunched_at="soon"), 'its relaunched_at is "soon", not a number'),
+        (lambda r: r.update(failed_at=float("nan")), "its failed_at is nan, not a finite number 0 or more"),
+        (
+            lambda r: r.update(nodes=[["n1", "hang"]]),
+            'its nodes are [["n1", "hang"]], not a record of node: why',
+        ),
+        (
+            lambda r: r.update(ended_at=1e300),
+            "its ended_at is 1000000000000000052504760255204420248704468581108",
+        ),
+    ],
+)
+def test_a_recovery_with_a_damaged_field_is_set_aside_with_one_warning_and_the_launch_goes_on(
+    tmp_path, capsys, change, why
+):
+    """Without its cause, or with a text relaunched_at, it crashed every launch at its first step (KeyError,
+    TypeError); a NaN was carried into every later summary."""
+    path = tmp_path / goodput.RECOVERY
+    path.write_text(json.dumps(job_recovery(change)))
+    ledger = goodput.Ledger(str(tmp_path), time.time() - 5)
+    ledger.step_done(1, 0.1)
+    ledger.write()
+    assert ledger.recoveries == [] and "cost" not in ledger.summary()
+    [aside] = tmp_path.glob("recovery.damaged_*.json")
+    [warning] = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"warning: {path} is unreadable ({why}") and warning.endswith(
+        f"; set aside as {aside}, and that recovery goes unrecorded"
+    ), warning
+    path.write_text(json.dumps(job_recovery(lambda r: r.update(relaunched_at=time.time() - 5))))
+    ledger = goodput.Ledger(str(tmp_path), time.time() - 5)
+    ledger.step_done(1, 0.1)
+    assert [entry["cause"] for entry in ledger.recoveries] == ["crash"] and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("kind", ODD)
+@pytest.mark.parametrize("name", [goodput.RECOVERY, goodput.LEDGER])
+def test_a_recovery_or_ledger_that_is_not_a_regular_file_is_set_aside_unread(
+    tmp_path, capsys, kind, name, deadline
+):
+    """A FIFO hung the launch with no message; a link to /dev/zero read until memory ran out."""
+    words = make_odd(tmp_path / name, kind)
+    ledger = goodput.Ledger(str(tmp_path), time.time() - 5)
+    ledger.step_done(1, 0.1)
+    ledger.write()
+    [warning] = capsys.readouterr().err.splitlines()
+    assert f"({tmp_path / name} {words}" in warning and "; set aside as " in warning, warning
+    assert json.loads((tmp_path / goodput.LEDGER).read_text())["launches"] == 1
+
+
+def test_recoveries_and_parts_that_do_not_add_up_are_left_out_of_the_account(tmp_path, capsys):
+    """A NaN recovery was carried into every later summary; parts adding up to more than the run's wall time
+    printed percentages summing to 169%."""
+
+    def with_bad_recovery(figures):
+        good = {part: 1.0 for part in (*goodput.RECOVERY_PARTS, "cost_s")} | {"lost_steps": 0}
+        figures["recoveries"] = [good, {**good, "cost_s": float("nan")}, {**good, "lost_steps": -1}]
+
+    earlier_ledger(tmp_path, with_bad_recovery)
+    capsys.readouterr()
+    ledger = goodput.Ledger(str(tmp_path), time.time() - 10)
+    assert len(ledger.recoveries) == 1 and "1 recovery cost 1 s" in ledger.summary()
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: {tmp_path / goodput.LEDGER}: 2 of its recoveries are damaged (its cost_s is nan, not a "
+        "finite number 0 or more); they are left out of the run's account"
+    ]
+    (tmp_path / "parts").mkdir()
+    earlier_ledger(tmp_path / "parts", lambda figures: figures.update(eval_s=3000.0, checkpoint_s=3000.0))
+    ledger = goodput.Ledger(str(tmp_path / "parts"), time.time() - 10)
+    assert ledger.totals["launches"] == 1
+    assert "is damaged (its parts add up to " in capsys.readouterr().err

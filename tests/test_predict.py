@@ -4,23 +4,28 @@ says the prediction and the plan. (test_diagnose.py holds a training run's live 
 
 import copy
 import dataclasses
+import os
 import re
 import shlex
+import socket
 import sys
+import time
 import types
 
 import pytest
 import torch
-from conftest import SIMULATES, parse_options, validated
+import yaml
+from conftest import ODD, SIMULATES, make_odd, parse_options, validated
 
 import benchmark
 import train as train_script
 from common.errors import ConfigError
 from common.op_timing import CPU_ATTENTION, replay, resolve
-from run import live_prediction, plan, simulation
+from run import live_prediction, plan, report_figures, simulation
 from run.machines import Report
 from run.model import presets
 from run.predict import DDP_ALL_REDUCE, FAKE_ONLY, Prediction, fresh_bytes, play
+from run.report_figures import BadReport, read_report
 
 TINY_STEP = ["--model=tiny", "--compile=False", "--batch_size=4", "--global_batch_size=8", "--seq_length=64"]
 SIZES = [2**20 * 4**power for power in range(6)]  # 1 MiB to 1 GiB, as the benchmark's default sweep
@@ -254,3 +259,118 @@ def test_a_kept_prediction_holds_only_for_its_machine_and_a_damaged_or_unwritabl
     assert "is not a prediction" in capsys.readouterr().err
     live_prediction.keep(tmp_path / "no such folder", prediction, here)  # a warning; the run goes on
     assert "warning: cannot keep the prediction in" in capsys.readouterr().err
+
+
+def written(folder, name, report):
+    """report written as benchmark.py writes one, at folder/name."""
+    path = folder / name
+    path.write_text(yaml.safe_dump(report, sort_keys=False))
+    return path
+
+
+def damaged(report, change):
+    report = copy.deepcopy(report)
+    change(report)
+    return report
+
+
+FIGURES_OUT_OF_RANGE = {
+    "a NaN matmul rate": (
+        lambda r: r["gpu"]["node0 (n1)/gpu3"].update(matmul_bf16_TFLOPS=float("nan")),
+        "gpu.node0 (n1)/gpu3.matmul_bf16_TFLOPS is nan, not between 1e-06 and 1e+06",
+    ),
+    "a write rate of 1e-320": (
+        lambda r: r.update(storage={"aggregate": {"parallel_write_GB/s": 1e-320}}),
+        "storage.aggregate.parallel_write_GB/s is 1e-320, not between 1e-06 and 1e+06",
+    ),
+    "a negative busbw": (
+        lambda r: r["nccl"]["all_reduce"][2].update({"busbw_GB/s": -3.0}),
+        "nccl.all_reduce row 2: busbw_GB/s is -3.0, not between",
+    ),
+    "sizes out of order": (
+        lambda r: r["nccl"]["all_gather"].reverse(),
+        "nccl.all_gather has sizes out of order, or one twice",
+    ),
+    "an infinite operation": (
+        lambda r: r.update(model={"operations": {"aten.mm x": {"seconds": float("inf")}}}),
+        "model.operations.aten.mm x.seconds is inf, not between 1e-12 and 3600",
+    ),
+    "ranks per node in text": (
+        lambda r: r["world"].update(ranks_per_node="8"),
+        'world.ranks_per_node is "8", not a whole number',
+    ),
+    "a section of the wrong kind": (
+        lambda r: r.update(nccl=[1, 2]),
+        "its nccl section is list, not a mapping",
+    ),
+    "collectives as pairs": (
+        lambda r: r.update(model={"collectives": [["all-reduce", 8]]}),
+        "model.collectives row 0 is not a timed collective",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FIGURES_OUT_OF_RANGE)
+def test_report_figures_out_of_range_are_refused_where_the_report_is_read(tmp_path, case):
+    """Each figure a prediction or the checkpoint schedule uses is checked as the report is read: NaN figures
+    gave a finite predicted step and an auto pick called the fastest that fits, a write rate of 1e-320 an
+    OverflowError mid-training."""
+    change, why = FIGURES_OUT_OF_RANGE[case]
+    assert read_report(written(tmp_path, "good.yaml", gpu_report())) == gpu_report()
+    assert read_report(written(tmp_path, "cpu.yaml", cpu_report()))["world"]["device"] == "cpu"
+    path = written(tmp_path, "bad.yaml", damaged(gpu_report(), change))
+    with pytest.raises(
+        BadReport, match=f"^{re.escape(f'{path} is not a benchmark report a run can use: {why}')}"
+    ):
+        read_report(path)
+
+
+@SIMULATES
+@pytest.mark.parametrize("kind", ["FIFO", "link to /dev/zero", "NaN figures", "A100s for --gpu=H100", "CPUs"])
+def test_a_benchmark_report_the_user_names_that_cannot_be_used_is_one_line_and_exit_2(
+    tmp_path, capsys, kind, deadline
+):
+    """Refused before the model is built: a FIFO hung the dry run, a link to /dev/zero read until memory ran
+    out, NaN figures gave a finite step, and an A100 report predicted --gpu=H100 without a word."""
+    path = tmp_path / "benchmark_1.yaml"
+    if kind in ODD:
+        words = f"--benchmark_report: {path} {make_odd(path, kind)}; give a report benchmark.py wrote"
+    elif kind == "NaN figures":
+        written(tmp_path, path.name, damaged(gpu_report(), lambda r: r["nccl"]["all_reduce"][0].update(
+            {"busbw_GB/s": float("nan")})))  # fmt: skip
+        words = f"--benchmark_report: {path} is not a benchmark report a run can use: nccl.all_reduce row 0"
+    elif kind == "A100s for --gpu=H100":
+        a100 = damaged(
+            gpu_report(), lambda r: [gpu.update(name="NVIDIA A100-SXM4-80GB") for gpu in r["gpu"].values()]
+        )
+        written(tmp_path, path.name, a100)
+        words = (f"--benchmark_report={path}: it was measured on NVIDIA A100-SXM4-80GB, not on H100 GPUs; "
+                 "give the --gpu it was measured on, or a report of --gpu=H100")  # fmt: skip
+    else:
+        written(tmp_path, path.name, cpu_report())
+        words = f"--benchmark_report={path}: it was measured on CPUs, not on H100 GPUs"
+    with pytest.raises(SystemExit) as exit_info:
+        sys.exit(train_script.main(["--dry_run", "--world_size=2", *TINY_STEP, f"--benchmark_report={path}"]))
+    code, (out, err) = exit_info.value.code, capsys.readouterr()
+    assert code == 2 and out == "" and err.startswith(f"error: {words}") and err.count("\n") == 1, err
+
+
+def test_a_cpu_report_of_another_host_or_a_broken_one_under_log_dir_is_passed_over(
+    tmp_path, capsys, deadline
+):
+    """Nobody named them: another host's CPU report was taken for this machine's CPU (142x off), and a torn
+    one broke every --gpu=cpu dry run; a FIFO hung it."""
+    elsewhere = damaged(cpu_report(), lambda r: r["nodes"]["node0 (h)"].update(hostname="elsewhere"))
+    here = damaged(cpu_report(), lambda r: r["nodes"]["node0 (h)"].update(hostname=socket.gethostname()))
+    written(tmp_path, "benchmark_1.yaml", here)
+    newest = [written(tmp_path, "benchmark_2.yaml", elsewhere), tmp_path / "benchmark_3.yaml"]
+    (tmp_path / "benchmark_3.yaml").write_text("world: {device: cpu\n")  # torn
+    make_odd(tmp_path / "benchmark_4.yaml", "FIFO")
+    for age, path in enumerate(reversed([tmp_path / "benchmark_1.yaml", *newest])):
+        os.utime(path, (time.time() - 100 * (age + 1),) * 2)
+    assert report_figures.newest_report(str(tmp_path), "cpu") == str(tmp_path / "benchmark_1.yaml")
+    assert report_figures.newest_report(str(tmp_path), "cpu") == str(tmp_path / "benchmark_1.yaml")
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2 and all(line.endswith("; passed over") for line in warnings), warnings
+    assert "benchmark_3.yaml is not YAML (" in warnings[1] and "benchmark_4.yaml is a FIFO" in warnings[0]
+    assert report_figures.newest_report(str(tmp_path), "H100") is None
