@@ -1,5 +1,5 @@
 """A benchmark report as a run reads it (benchmark.py writes it: checks/report.py). One reader for every use,
-the prediction of a step (run/machines.py), the checkpoint schedule's write rate and the options' check of
+the prediction of a step (run/prediction/), the checkpoint schedule's write rate and the options' check of
 --benchmark_report: a regular YAML file of a bounded size, each figure they use checked before anything uses
 it (finite, positive, within what a machine measures, of the shape they read), and the machine it was
 measured on. A file that is not such a report is BadReport, one line naming the file and the figure: a
@@ -32,8 +32,12 @@ FIGURES = {
     "storage": {"parallel_write_GB/s": RATE},
 }
 SWEEP = {"size_bytes": BYTES, "busbw_GB/s": RATE, "time_us": (1e-6, 3.6e9, False)}
-COLLECTIVE = {"bytes": BYTES, "group": COUNT, "nodes": COUNT, "seconds": SECONDS}
-OVERHEADS = (1e-15, 1.0, False)  # seconds an eager step spends per operation, or per new byte
+# A probe's figures (run/prediction/probe.py's Measured and its copies): seconds of a step or a part of one
+# (none where there is no such part), how far apart its steps lay, the share of cores others took.
+SPAN = (0.0, 3600.0, False)
+SHARE = (0.0, 100.0, False)
+PROBE = {"layers": COUNT, "accumulation": COUNT, "others": SHARE, "seconds": SECONDS}
+COPY = {"depth": COUNT, "step_s": SECONDS, "first_micro_s": SPAN, "layer_forward_s": SPAN, "spread": SHARE}
 SECTIONS = ("gpu", "cpu", "memory", "storage", "nccl", "links", "model", "nodes")
 
 
@@ -139,25 +143,25 @@ def sweep_problem(rows):
 
 
 def model_problem(model):
-    """Why the report's timings of a model's step (benchmark.py --train_args) cannot be used, or None."""
-    operations, collectives = model.get("operations") or {}, model.get("collectives") or []
-    if not isinstance(operations, dict) or not isinstance(collectives, list):
-        return "its model section's operations and collectives are not a mapping and a list"
-    for key, row in operations.items():
-        if problem := out_of_range(row.get("seconds") if isinstance(row, dict) else None, *SECONDS):
-            return f"model.operations.{key}.seconds is {problem}"
-    for index, row in enumerate(collectives):
-        if not isinstance(row, dict) or not isinstance(row.get("kind"), str):
-            return f"model.collectives row {index} is not a timed collective"
-        for name, bounds in COLLECTIVE.items():
-            if problem := out_of_range(row.get(name), *bounds):
-                return f"model.collectives row {index}: {name} is {problem}"
-    overheads = model.get("eager_overheads_s")
-    if overheads is not None and not (isinstance(overheads, list) and len(overheads) == 3):
-        return "model.eager_overheads_s is not three figures"
-    for value in overheads or []:
-        if problem := out_of_range(value, *OVERHEADS):
-            return f"model.eager_overheads_s holds {problem}"
+    """Why the report's probe of a run's step (benchmark.py --train_args: run/prediction/probe.py) cannot be
+    used, or None."""
+    if not model:
+        return None
+    if not isinstance(model.get("options"), dict):
+        return "model.options is not a mapping of the run's options"
+    measured = model.get("measured")
+    copies = measured.get("copies") if isinstance(measured, dict) else None
+    if not (isinstance(copies, list) and 1 <= len(copies) <= 2 and set(measured) == {*PROBE, "copies"}):
+        return "model.measured is not a probe of the run's step"
+    checked = [("model.world_size", model.get("world_size"), COUNT)]
+    checked += [(f"model.measured.{name}", measured[name], bounds) for name, bounds in PROBE.items()]
+    for index, copy in enumerate(copies):
+        if not isinstance(copy, dict) or set(copy) != set(COPY):
+            return f"model.measured.copies row {index} is not a copy of the model, timed"
+        checked += [(f"model.measured.copies row {index}: {name}", copy[name], COPY[name]) for name in COPY]
+    for where, value, bounds in checked:
+        if problem := out_of_range(value, *bounds):
+            return f"{where} is {problem}"
     return None
 
 

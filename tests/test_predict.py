@@ -1,12 +1,15 @@
-"""The step's prediction (run/predict.py) follows its inputs: the step recorded on fake tensors at world size
-2, played on machines whose figures the tests change; the planner never picks what does not fit; the dry run
-says the prediction and the plan. (test_diagnose.py holds a training run's live step against it.)"""
+"""The step's prediction (run/prediction/) follows its inputs and says its basis: a probe's copies of the
+model fit the whole model's step; a roofline follows the figures it is given and is printed as a range; the
+dry run predicts from a report's probe of the same configuration, from this CPU measured now, or from a
+roofline, and says which; a prediction measured badly is refused or never kept, and a kept one holds only for
+its options and machine; a compiled step keeps no more memory than the eager one. (test_diagnose.py holds a
+training run's live step against its prediction.)"""
 
 import copy
 import dataclasses
+import json
 import os
 import re
-import shlex
 import socket
 import sys
 import time
@@ -17,14 +20,12 @@ import torch
 import yaml
 from conftest import ODD, SIMULATES, make_odd, parse_options, validated
 
-import benchmark
 import train as train_script
 from common.errors import ConfigError
-from common.op_timing import CPU_ATTENTION, replay, resolve
-from run import live_prediction, plan, report_figures, simulation
-from run.machines import Report
+from run import report_figures
 from run.model import presets
-from run.predict import DDP_ALL_REDUCE, FAKE_ONLY, Prediction, fresh_bytes, play
+from run.prediction import plan, probe, roofline, simulate, step_time
+from run.prediction.simulate import Operation, Work
 from run.report_figures import BadReport, read_report
 
 TINY_STEP = ["--model=tiny", "--compile=False", "--batch_size=4", "--global_batch_size=8", "--seq_length=64"]
@@ -45,144 +46,174 @@ def gpu_report(matmul_TFLOPS=800.0, busbw_GBps=300.0):
             "nodes": {"node0 (n1)": {"hostname": "n1"}}}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def step():
-    """The events of one training step of the tiny model at world size 2, as the dry run records them."""
-    cfg = parse_options(["--dry_run", *TINY_STEP, "--world_size=2"])
-    config = presets.build_model_config(validated(cfg))
-    _, events = simulation.simulate(cfg, config, 2, 0, train_script.training_path())
-    return events
-
-
-@SIMULATES
-def test_the_benchmark_records_a_hybrid_step_over_two_nodes_of_two_in_its_shard_and_replica_groups(
-    monkeypatch,
-):
-    """benchmark.py --train_args on rank 0 of two nodes of two processes, as torchrun starts it: a hybrid
-    run's step is sharded inside each node (a node's ranks by default) and replicated between the nodes."""
-    for name, value in {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
-        monkeypatch.setenv(name, value)
-    batch_of_four = [arg for arg in TINY_STEP if not arg.startswith("--global_batch_size")]
-    train_args = shlex.join(
-        [*batch_of_four, "--global_batch_size=16", "--sharding=hybrid", "--predict=False"]
-    )
-    recorded = benchmark.traced_model_step(train_args)
-    assert recorded is not None, "the step was not recorded"
-    _, operations, collectives = recorded
-    groups = {(kind, group, nodes) for kind, _, group, nodes in collectives}
-    assert {("all-gather", 2, 1), ("reduce-scatter", 2, 1), ("all-reduce", 2, 2)} <= groups
-    assert operations
-
-
-def exposed(prediction):
-    return sum(seconds for name, seconds in prediction.parts.items() if name.startswith("exposed "))
-
-
-def compute(prediction):
-    return sum(prediction.parts[name] for name in ("forward", "backward", "recomputation"))
-
-
-@SIMULATES
-def test_the_step_records_fsdp_collectives_and_the_parts_add_up(step):
-    kinds = {event.collective[0] for event in step if event.collective}
-    assert {"all-gather", "reduce-scatter", "all-reduce"} <= kinds
-    prediction = play(step, Report("r.yaml", gpu_report()))
-    assert sum(prediction.parts.values()) == pytest.approx(prediction.step_s)
-    assert compute(prediction) > 0 and prediction.parts["optimizer"] > 0
-
-
-@SIMULATES
-def test_halving_the_busbw_raises_the_exposed_communication(step):
-    # the tiny model's collectives are small: a slow link is what exposes them
-    fast, slow = (play(step, Report("r.yaml", gpu_report(busbw_GBps=busbw))) for busbw in (0.2, 0.1))
-    assert exposed(slow) > exposed(fast) > 0 and slow.step_s > fast.step_s
-
-
-@SIMULATES
-def test_a_faster_matmul_figure_lowers_the_compute(step):
-    # rates slow enough that the tiny model's compute outlasts the host's issuing of it
-    slow, fast = (play(step, Report("r.yaml", gpu_report(matmul_TFLOPS=rate))) for rate in (0.002, 0.004))
-    assert compute(fast) < compute(slow) and fast.step_s < slow.step_s
-
-
-@SIMULATES
-def test_a_candidate_that_does_not_fit_is_never_picked():
-    cfg = parse_options(["--dry_run", *TINY_STEP, "--world_size=2", "--activation_checkpointing=auto"])
-    config = presets.build_model_config(validated(cfg))
-    training, machine = train_script.training_path(), Report("r.yaml", gpu_report())
-    everything = plan.plan(cfg, config, 2, 0, training, machine, 1e9, simulation.simulate)
-    peaks = sorted(peak for _, peak, _ in everything)
-    # room for the two smallest peaks only: the candidates of the larger ones do not fit
-    squeezed = plan.plan(cfg, config, 2, 0, training, machine, peaks[1], simulation.simulate)
-    fitting = [row for row in squeezed if row[2] is not None]
-    assert fitting and all(peak <= peaks[1] for _, peak, _ in fitting)
-    assert plan.fastest(squeezed) == fitting[0][0] and len(fitting) < len(squeezed)
-    with pytest.raises(ConfigError, match="no candidate"):
-        plan.fastest(plan.plan(cfg, config, 2, 0, training, machine, peaks[0] / 2, simulation.simulate))
-
-
-def cpu_report(framework_s=20e-6, busbw_GBps=1.0, first_touch_s=1e-10):
-    """A report of one host of 2 cores running 2 ranks, as benchmark.py --train_args writes one on a CPU."""
+def cpu_report(busbw_GBps=1.0, host="h"):
+    """A report of one host of 2 cores running 2 ranks, as benchmark.py writes one on a CPU."""
     return {"world": {"device": "cpu", "ranks": 2, "nodes": 1, "ranks_per_node": 2},
-            "nodes": {"node0 (h)": {"hostname": "h"}},
+            "nodes": {"node0 (h)": {"hostname": host}},
             "cpu": {"node0 (h)": {"cores": 2, "matmul_fp32_GFLOPS": 50.0}},
             "memory": {"node0 (h)": {"copy_all_cores_GB/s": 10.0}},
-            "nccl": {"all_reduce": sweep(busbw_GBps)},
-            "model": {"eager_overheads_s": [framework_s, 2e-6, first_touch_s]}}  # fmt: skip
+            "nccl": {"all_reduce": sweep(busbw_GBps)}}  # fmt: skip
 
 
-@SIMULATES
-def test_on_a_cpu_each_operation_an_eager_step_dispatches_is_charged_the_models_host_time(step):
-    """A CPU runs what it issues: each recorded operation costs its kernel and the host's time per operation
-    (the report's, times the model's own scale); fake tensors' device queries, which an eager step never
-    dispatches, cost nothing."""
-    machine = Report("r.yaml", cpu_report())
-    scaled = [dataclasses.replace(event, host_scale=event.host_scale + 1.0) for event in step]
-    dispatched = [event for event in step if event.name not in FAKE_ONLY]
-    assert 0 < len(dispatched) < len(step)  # the trace holds device queries
-    added = play(scaled, machine).step_s - play(step, machine).step_s
-    assert added == pytest.approx(len(dispatched) * 20e-6)
+def measured(*copies, layers=6, accumulation=2, others=0.0):
+    """A probe's figures: copies as (depth, step s, first micro-step s, layer forward s, spread)."""
+    return probe.Measured(layers, accumulation, [probe.Copy(*copy) for copy in copies], others, 1.0)
 
 
-@SIMULATES
-def test_on_a_cpu_the_memory_a_step_takes_anew_costs_its_first_touch(step):
-    """A CPU step gives back its activations and takes them again next step: each byte above the step's
-    high-water mark costs the report's first touch; on a GPU, whose allocator keeps its memory, nothing."""
-    fresh = sum(fresh_bytes(step))
-    assert 0 < fresh < sum(size for event in step for _, size in event.allocates)  # memory is reused
-    slow, fast = (play(step, Report("r.yaml", cpu_report(first_touch_s=rate))) for rate in (2e-10, 1e-10))
-    assert slow.step_s - fast.step_s == pytest.approx(fresh * 1e-10)
-    assert Report("r.yaml", gpu_report()).first_touch_seconds(fresh) == 0.0
+def probed(step_s=0.3, options=None, world_size=2):
+    """A report's model section: a probe of a run's step (benchmark.py --train_args)."""
+    found = measured((1, step_s, 0.1, 0.01, 0.02), (2, step_s + 0.05, 0.12, 0.02, 0.03))
+    return {"options": options or {"model": "tiny"}, "world_size": world_size,
+            "measured": dataclasses.asdict(found)}  # fmt: skip
 
 
-@SIMULATES
-def test_a_ddp_step_all_reduces_every_gradient_at_its_own_accumulation(step):
-    """DDP's C++ reducer all-reduces the gradients where no dispatch mode sees it: the prediction adds it, in
-    DDP's buckets, over the whole world; the step is traced with the run's micro-steps (one here: global
-    batch 8 over 2 ranks of 4), not those a world of one would take."""
-    cfg = parse_options(["--dry_run", *TINY_STEP, "--world_size=2", "--sharding=ddp"])
+ONE_AND_TWO = ((1, 1.0, 0.4, 0.1, 0), (2, 1.3, 0.5, 0.2, 0))
+# copies, layers, the probe's micro-steps, the run's -> the step's seconds, its layers' forward seconds
+FITS = {
+    "each layer past the first adds the second's": (ONE_AND_TWO, 6, 2, 2, 2.5, 0.6),
+    "each micro-step past the probe's, its first": (ONE_AND_TWO, 6, 2, 8, 2.5 + 6 * 0.9, 0.6 * 4),
+    "a model of two layers is its own copy": (((2, 0.8, 0.3, 0.2, 0),), 2, 2, 4, 0.8 + 2 * 0.3, 0.4),
+    "one micro-step": (((1, 0.5, 0.0, 0.1, 0), (2, 0.6, 0.0, 0.2, 0)), 4, 1, 1, 0.8, 0.4),
+    "a second copy no slower adds nothing": (
+        ((1, 1.0, 0.4, 0.1, 0), (2, 0.9, 0.3, 0.1, 0)),
+        6,
+        2,
+        2,
+        1.0,
+        0.1,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", FITS)
+def test_a_probe_fits_the_whole_model_from_copies_one_and_two_layers_deep(case):
+    copies, layers, traced, accumulation, step_s, layer_forward_s = FITS[case]
+    found = measured(*copies, layers=layers, accumulation=traced)
+    assert found.fitted("step_s", accumulation) == pytest.approx(step_s)
+    assert found.fitted("layer_forward_s", accumulation) == pytest.approx(layer_forward_s)
+
+
+def test_the_cores_other_work_took_are_the_busiest_hosts_less_the_runs_own():
+    """(host, the rank's CPU s, the host's busy s, wall s) per rank; 2 cores here stand for any count."""
+    cores = os.cpu_count()
+    quiet = [("a", 1.0, 2.0, 1.0), ("a", 1.0, 2.0, 1.0)]
+    assert probe.others_share(quiet) == 0.0
+    busy = [("a", 1.0, 2.0 + cores / 2, 1.0), ("a", 1.0, 2.0 + cores / 2, 1.0), ("b", 1.0, 1.0, 1.0)]
+    assert probe.others_share(busy) == pytest.approx(0.5)
+    assert probe.others_share([("a", 1.0, None, 1.0)]) == 0.0  # no /proc/stat: unknown, not busy
+
+
+def test_a_real_probe_of_the_tiny_model_steps_its_copy_on_this_cpu():
+    """Two layers: the model is its own copy, stepped at two micro-steps (a global batch of four)."""
+    cfg = parse_options(["--gpu=cpu", *TINY_STEP, "--dry_run", "--world_size=1"])
     config = presets.build_model_config(validated(cfg))
-    n_params = sum(p.numel() for p in presets.build_meta_model(config).parameters())
-    _, events = simulation.simulate(cfg, config, 2, n_params, train_script.training_path())
-    reduced = [event.collective for event in events if event.name == DDP_ALL_REDUCE]
-    assert sum(size for _, size, _, _ in reduced) == 4 * n_params and {c[2] for c in reduced} == {2}
-    embeddings = [sum(event.name == "aten.embedding.default" for event in e) for e in (events, step)]
-    assert embeddings[0] == embeddings[1] > 0  # as many forwards as full sharding's one micro-step
-    fast, slow = (play(events, Report("r.yaml", cpu_report(busbw_GBps=rate))) for rate in (1.0, 0.5))
-    assert slow.parts["exposed all-reduce"] > fast.parts["exposed all-reduce"] > 0
+    found = probe.on_this_cpu(cfg, config, 1)
+    (copy_,) = found.copies
+    assert (found.layers, found.accumulation, copy_.depth) == (2, 2, 2)
+    assert copy_.step_s > copy_.first_micro_s > 0 and copy_.layer_forward_s > 0 and found.seconds > 0
+    prediction = step_time.measured(found, 2, "this machine's CPU")
+    assert prediction.step_s == pytest.approx(copy_.step_s) and prediction.basis == "measured"
+    assert re.fullmatch(r"predicted step: [\d.e-]+ s = 2 micro-steps of [\d.e-]+ s \+ the rest [\d.e-]+ s "
+                        r"\(measured on this machine's CPU\)", prediction.line())  # fmt: skip
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-llama", "tiny-mixtral"])
-def test_the_miniature_of_each_family_steps_and_gives_the_models_host_time(model):
-    """The model's own host time per operation comes from stepping a miniature of it, built and wrapped as
-    training does: the same depth and heads, narrow widths, in every family."""
-    cfg = parse_options(["--dry_run", "--gpu=cpu", *TINY_STEP, f"--model={model}", "--world_size=1"])
-    config = presets.build_model_config(validated(cfg))
-    mini = simulation.miniature(config)
-    assert mini.num_hidden_layers == config.num_hidden_layers
-    assert mini.num_attention_heads == config.num_attention_heads and mini.hidden_size < config.hidden_size
-    scale = simulation.host_scale(cfg, config, train_script.training_path(), 1)
-    assert 0.1 < scale < 100
+def work(flops, micro_steps=1.0):
+    """A step of one operation and one all-gather of 2 ranks on one node, each repeated micro_steps times."""
+    gather = Operation(0, 0, None, ("all_gather", 8e9, 2, 1))
+    return Work([Operation(flops, 1e6, torch.bfloat16), gather], [], micro_steps)
+
+
+def test_a_roofline_follows_its_figures_and_a_gpu_hides_communication_that_a_cpu_waits_for():
+    gpu = roofline.from_report("r.yaml", gpu_report())
+    slow = roofline.from_report("r.yaml", gpu_report(matmul_TFLOPS=400.0, busbw_GBps=150.0))
+    step = work(8e14)
+    assert roofline.roofline_seconds(step, gpu) == pytest.approx(1.0)  # compute 1 s hides 8e9/2/300e9
+    assert roofline.roofline_seconds(step, slow) == pytest.approx(2.0)
+    assert roofline.roofline_seconds(work(8e14, micro_steps=4), gpu) == pytest.approx(4.0)
+    cpu = roofline.from_report(
+        "r.yaml", cpu_report(busbw_GBps=4.0)
+    )  # all-core matmul 50 GFLOP/s over 2 ranks
+    cpu_step = Work(
+        [Operation(25e9, 0, torch.float32), Operation(0, 0, None, ("all_reduce", 2e9, 2, 1))], [], 1
+    )
+    assert roofline.roofline_seconds(cpu_step, cpu) == pytest.approx(1.0 + 2e9 / 4e9)  # in turn
+    datasheet = roofline.from_datasheet("H100")
+    assert datasheet.flops_per_s[torch.bfloat16] == pytest.approx(676e12)  # the benchmark's own measure
+
+
+def test_a_roofline_is_a_range_and_says_it_is_not_measured():
+    prediction = roofline.predicted(work(8e14), roofline.from_datasheet("H100"), 4)
+    low, high = roofline.STEP_OVER_ROOFLINE["cuda"]
+    bound = 8e14 / 676e12
+    assert (prediction.low_s, prediction.high_s) == pytest.approx((bound * low, bound * high))
+    assert prediction.line().startswith(f"predicted step: {bound * low:.3g}-{bound * high:.3g} s, a roofline "
+                                        "from the datasheet of H100, not measured")  # fmt: skip
+    assert not prediction.measured_well
+
+
+def test_a_probe_that_varied_is_refused_and_one_made_on_a_busy_machine_is_never_kept(tmp_path, capsys):
+    holds_for = {"options": {"model": "tiny"}, "machine": {"device": "CPU, 2 cores"}}
+    quiet = step_time.measured(measured((1, 1.0, 0.4, 0.1, 0.05), (2, 1.2, 0.5, 0.2, 0.04)), 4, "here")
+    assert step_time.refusal(quiet) is None and quiet.measured_well
+    varied = dataclasses.replace(quiet, spread=0.8, others=0.4)
+    assert step_time.refusal(varied) == (
+        "not predicted: this machine's timings varied by 80%, and other work took 40% of its cores"
+    )
+    busy = dataclasses.replace(quiet, others=0.3)
+    assert step_time.refusal(busy) is None and not busy.measured_well
+    step_time.keep(tmp_path, busy, holds_for)
+    assert not (tmp_path / step_time.KEPT).exists() and "is not kept" in capsys.readouterr().out
+    step_time.keep(tmp_path, quiet, holds_for)
+    assert step_time.kept(tmp_path, holds_for) == (quiet, time.strftime("%Y-%m-%d %H:%M"))
+
+
+def kept_record(tmp_path, change):
+    """A kept prediction, changed after it was written."""
+    path = tmp_path / step_time.KEPT
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+
+
+DAMAGED = {
+    "its checksum": lambda r: r["prediction"].update(step_s=0.5),
+    "a step of 1e9 s": lambda r: (r["prediction"].update(step_s=1e9), r.update(checksum=step_time.checksum(
+        {k: r[k] for k in ("for", "made", "prediction")}))),
+    "a step of 1e-9 s": lambda r: (r["prediction"].update(step_s=1e-9), r.update(checksum=step_time.checksum(
+        {k: r[k] for k in ("for", "made", "prediction")}))),
+    "escape codes": lambda r: (r["prediction"].update(source="\x1b[2K\rerror: forged"), r.update(
+        checksum=step_time.checksum({k: r[k] for k in ("for", "made", "prediction")}))),
+    "a field missing": lambda r: r["prediction"].pop("spread"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", [*DAMAGED, *ODD])
+def test_a_damaged_kept_prediction_is_one_warning_set_aside_and_predicted_anew(
+    tmp_path, capsys, case, deadline
+):
+    holds_for = {"options": {"model": "tiny"}, "machine": {"device": "CPU, 2 cores"}}
+    quiet = step_time.measured(measured((1, 1.0, 0.4, 0.1, 0.05), (2, 1.2, 0.5, 0.2, 0.04)), 4, "here")
+    if case in ODD:
+        make_odd(tmp_path / step_time.KEPT, case)
+    else:
+        step_time.keep(tmp_path, quiet, holds_for)
+        kept_record(tmp_path, DAMAGED[case])
+    assert step_time.kept(tmp_path, holds_for) is None
+    warning = capsys.readouterr().err
+    assert warning.startswith(f"warning: {tmp_path / step_time.KEPT} is not a kept prediction (")
+    assert warning.count("\n") == 1 and "predicted again" in warning and "\x1b" not in warning
+    assert not (tmp_path / step_time.KEPT).exists()  # set aside
+
+
+def test_a_kept_prediction_holds_only_for_its_options_and_machine(tmp_path, capsys):
+    holds_for = {"options": {"model": "tiny", "batch_size": 4}, "machine": {"device": "CPU, 2 cores"}}
+    quiet = step_time.measured(measured((1, 1.0, 0.4, 0.1, 0.05), (2, 1.2, 0.5, 0.2, 0.04)), 4, "here")
+    step_time.keep(tmp_path, quiet, holds_for)
+    relaunched = {**holds_for, "options": {"model": "tiny", "batch_size": 1}}
+    assert step_time.kept(tmp_path, relaunched) is None and capsys.readouterr().err == ""
+    assert step_time.kept(tmp_path, holds_for)[0] == quiet
+    step_time.keep(tmp_path / "no such folder", quiet, holds_for)  # a warning; the run goes on
+    assert "warning: cannot keep the prediction in" in capsys.readouterr().err
 
 
 def run_main(capsys, *args):
@@ -192,21 +223,89 @@ def run_main(capsys, *args):
 
 
 @SIMULATES
-def test_the_dry_run_predicts_the_step_on_this_cpu_and_the_plan_lists_candidates_fastest_first(capsys):
-    code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=1", *TINY_STEP, "--max_steps=10")
-    assert code == 0, out
-    predicted = re.search(
-        r"^predicted step: ([\d.e-]+) s = compute .* \(on this machine's CPU, timed now", out, re.M
-    )
-    assert predicted and float(predicted[1]) > 0, out
-    assert re.search(r"^predicted: [\d,]+ tokens/s per device; 10 steps in \d+:\d\d:\d\d$", out, re.M), out
-    code, out = run_main(
-        capsys, "--plan", "--gpu=cpu", "--world_size=1", *TINY_STEP, "--activation_checkpointing=auto"
-    )
+def test_the_dry_run_says_its_basis_this_cpu_measured_a_reports_probe_or_a_roofline(tmp_path, capsys):
+    code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=1", *TINY_STEP, "--max_steps=10",
+                         f"--log_dir={tmp_path}")  # fmt: skip
+    assert code == 0 and re.search(r"^predicted step: [\d.e-]+ s = 2 micro-steps of .* \(measured on this "
+                                   r"machine's CPU, one process\)$", out, re.M), out  # fmt: skip
+    assert re.search(r"^predicted: [\d,]+ tokens/s per device$", out, re.M), out
+    # A report of this CPU without this configuration's probe: its figures give a roofline, said so.
+    report = written(tmp_path, "named.yaml", cpu_report(host=socket.gethostname()))
+    code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=2", *TINY_STEP,
+                         f"--benchmark_report={report}")  # fmt: skip
+    assert code == 0 and f"a roofline from the figures of benchmark report {report}, not measured" in out, out
+    # The same report holding the benchmark's probe of this very configuration at this world size.
+    cfg = parse_options(["--dry_run", "--gpu=cpu", "--world_size=2", *TINY_STEP])
+    validated(cfg)
+    options = {name: getattr(cfg, name) for name in train_script.NAMES_THE_RUN}
+    written(tmp_path, "named.yaml", {**cpu_report(host=socket.gethostname()), "model": probed(0.25, options)})
+    code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=2", *TINY_STEP,
+                         f"--benchmark_report={report}")  # fmt: skip
+    source = f"from benchmark report {report}'s timings of this configuration on its 2 ranks"
+    line = rf"^predicted step: [\d.e-]+ s = 1 micro-steps .* \({re.escape(source)}\)$"
+    assert code == 0 and re.search(line, out, re.M), out
+    code, out = run_main(capsys, "--dry_run", "--world_size=2", *TINY_STEP)
+    assert code == 0 and "a roofline from the datasheet of H100, not measured" in out, out
+
+
+@SIMULATES
+def test_the_plan_ranks_candidates_measured_on_this_cpu_or_says_it_ranks_by_a_roofline(capsys):
+    code, out = run_main(capsys, "--plan", "--gpu=cpu", "--world_size=1", *TINY_STEP,
+                         "--activation_checkpointing=auto")  # fmt: skip
     rows = re.findall(r"^  (\S+) +(none|op|selective|full) +(\d+) +([\d.e-]+) ", out, re.M)
-    assert code == 0 and len(rows) == 4, out  # every checkpointing mode fits
+    assert code == 0 and len(rows) == 4 and "ranked by a roofline" not in out, out  # every mode fits
     steps = [float(row[3]) for row in rows]
     assert steps == sorted(steps)
+    code, out = run_main(capsys, "--plan", "--world_size=2", *TINY_STEP, "--activation_checkpointing=auto")
+    assert code == 0 and "ranked by a roofline, not measured" in out, out
+
+
+@SIMULATES
+def test_a_candidate_that_does_not_fit_is_never_picked():
+    cfg = parse_options(["--dry_run", *TINY_STEP, "--world_size=2", "--activation_checkpointing=auto"])
+    config = presets.build_model_config(validated(cfg))
+    figures = roofline.from_report("r.yaml", gpu_report())
+
+    def predictor(options, model_config, work, names):
+        return roofline.predicted(work, figures, 1)
+
+    everything = plan.plan(cfg, config, 2, 0, 1e9, predictor, ())
+    peaks = sorted(peak for _, peak, _ in everything)
+    # room for the two smallest peaks only: the candidates of the larger ones do not fit
+    squeezed = plan.plan(cfg, config, 2, 0, peaks[1], predictor, ())
+    fitting = [row for row in squeezed if row[2] is not None]
+    assert fitting and all(peak <= peaks[1] for _, peak, _ in fitting)
+    assert plan.fastest(squeezed) == fitting[0][0] and len(fitting) < len(squeezed)
+    with pytest.raises(ConfigError, match="no candidate"):
+        plan.fastest(plan.plan(cfg, config, 2, 0, peaks[0] / 2, predictor, ()))
+
+
+@SIMULATES
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_a_compiled_step_keeps_no_more_for_backward_than_an_eager_one_and_less_without_checkpointing(mode):
+    """The dry run of a compiled run simulates the compiler's own partition of what the forward saves; with
+    every block checkpointed both keep the block's input alone."""
+    cfg = parse_options(["--dry_run", "--gpu=cpu", "--world_size=1", *TINY_STEP, "--seq_length=128",
+                         f"--activation_checkpointing={mode}"])  # fmt: skip
+    config = presets.build_model_config(validated(cfg))
+    kept = {}
+    for compiled in (False, True):
+        options = types.SimpleNamespace(**{**vars(cfg), "compile": compiled})
+        memory, _ = simulate.simulate_step(options, config, 1, 1, False, 1)
+        kept[compiled] = memory["activations"] + memory["temporaries"]
+    assert kept[True] < kept[False] if mode == "none" else kept[True] <= kept[False], kept
+
+
+@SIMULATES
+def test_a_ddp_step_all_reduces_every_gradient_over_the_world_once_a_step():
+    cfg = parse_options(
+        ["--dry_run", *TINY_STEP, "--world_size=2", "--sharding=ddp", "--global_batch_size=32"]
+    )
+    config = presets.build_model_config(validated(cfg))
+    n_params = sum(p.numel() for p in presets.build_meta_model(config).parameters())
+    _, step = simulate.simulate(cfg, config, 2, n_params)
+    reduced = [operation.collective for operation in step.rest if operation.collective]
+    assert reduced.count(("all_reduce", 4 * n_params, 2, 1)) == 1 and step.times == 2  # 4 micro-steps, 2 traced
 
 
 def test_auto_options_are_refused_where_they_make_no_sense():
@@ -214,51 +313,6 @@ def test_auto_options_are_refused_where_they_make_no_sense():
         parse_options(["--model=tiny", "--batch_size=fast"])
     with pytest.raises(ConfigError, match="--shard_group_size=3 needs --sharding=hybrid"):
         validated(copy.copy(parse_options(["--model=tiny", "--dry_run", "--shard_group_size=3"])))
-
-
-@SIMULATES
-def test_cpu_flash_attention_replays_as_the_gpu_runs_it_with_the_same_results(step):
-    """A step traced on a CPU records CPU flash attention, which a GPU cannot run: there it is replayed as
-    the GPU's own attention, forward or backward alone, again and again. Here the replay's results are held
-    against the CPU kernels' own on random tensors of the step's shapes."""
-    as_on_gpu = types.SimpleNamespace(type="cuda")  # replay() reads the device's type; the tensors stay here
-    forward = next(event for event in step if CPU_ATTENTION.get(event.name) == "forward")
-    backward = next(event for event in step if CPU_ATTENTION.get(event.name) == "backward")
-    query, key, value = (torch.randn(meta.shape, dtype=meta.dtype) for meta in forward.args[:3])
-    # Causal attention as the trace has it: a mask added to the scores, or is_causal
-    mask, causal = forward.kwargs.get("attn_mask"), len(forward.args) > 4 and forward.args[4]
-    assert (mask is None) == causal
-    kwargs = {"scale": forward.kwargs.get("scale")}
-    if mask is not None:
-        lower = torch.ones(mask.shape[-2:], dtype=torch.bool).tril()
-        kwargs["attn_mask"] = torch.zeros(mask.shape, dtype=mask.dtype).masked_fill(~lower, float("-inf"))
-    out, logsumexp = resolve(forward.name)(query, key, value, 0.0, causal, **kwargs)
-    attend = replay(forward.name, (query, key, value, 0.0, causal), kwargs, as_on_gpu)
-    for _ in range(2):
-        torch.testing.assert_close(attend(), out)
-    grad_out = torch.randn_like(out)
-    inputs = (grad_out, query, key, value, out, logsumexp, 0.0, causal)
-    expected = resolve(backward.name)(*inputs, **kwargs)
-    gradients = replay(backward.name, inputs, kwargs, as_on_gpu)
-    for _ in range(2):
-        for got, want in zip(gradients(), expected, strict=True):
-            torch.testing.assert_close(got, want)
-
-
-def test_a_kept_prediction_holds_only_for_its_machine_and_a_damaged_or_unwritable_one_is_a_warning(
-    tmp_path, capsys
-):
-    prediction = Prediction(0.5, {"forward": 0.2, "backward": 0.3}, 0.1, {"timed": 3}, ["a note"])
-    here = live_prediction.machine_here(world_size=2, processes_per_node=2)
-    live_prediction.keep(tmp_path, prediction, here)
-    assert live_prediction.kept(tmp_path, here)[0] == prediction
-    assert live_prediction.kept(tmp_path, {**here, "world_size": 4}) is None  # relaunched elsewhere
-    assert live_prediction.kept(tmp_path, {**here, "benchmark_report": "logs/other.yaml"}) is None
-    (tmp_path / live_prediction.KEPT).write_text('{"machine": ')
-    assert live_prediction.kept(tmp_path, here) is None
-    assert "is not a prediction" in capsys.readouterr().err
-    live_prediction.keep(tmp_path / "no such folder", prediction, here)  # a warning; the run goes on
-    assert "warning: cannot keep the prediction in" in capsys.readouterr().err
 
 
 def written(folder, name, report):
@@ -291,9 +345,9 @@ FIGURES_OUT_OF_RANGE = {
         lambda r: r["nccl"]["all_gather"].reverse(),
         "nccl.all_gather has sizes out of order, or one twice",
     ),
-    "an infinite operation": (
-        lambda r: r.update(model={"operations": {"aten.mm x": {"seconds": float("inf")}}}),
-        "model.operations.aten.mm x.seconds is inf, not between 1e-12 and 3600",
+    "an infinite step": (
+        lambda r: r.update(model=probed(step_s=float("inf"))),
+        "model.measured.copies row 0: step_s is inf, not between 1e-12 and 3600",
     ),
     "ranks per node in text": (
         lambda r: r["world"].update(ranks_per_node="8"),
@@ -303,9 +357,9 @@ FIGURES_OUT_OF_RANGE = {
         lambda r: r.update(nccl=[1, 2]),
         "its nccl section is list, not a mapping",
     ),
-    "collectives as pairs": (
-        lambda r: r.update(model={"collectives": [["all-reduce", 8]]}),
-        "model.collectives row 0 is not a timed collective",
+    "a probe of another shape": (
+        lambda r: r.update(model={**probed(), "measured": [["step_s", 8]]}),
+        "model.measured is not a probe of the run's step",
     ),
 }
 

@@ -7,8 +7,6 @@ datasheet's figures. --plan and the auto options list or take the fastest candid
 import time
 import types
 
-from run.report_figures import newest_report, read_report
-
 from common.datasheet import datasheet
 from run.curves import duration
 from run.model.presets import flops_per_token, hardware_flops_per_token
@@ -17,6 +15,7 @@ from run.prediction import plan, probe, roofline
 from run.prediction.simulate import BLIND_SPOTS, DDP_ESTIMATE, OFFLOAD_ESTIMATE, simulate
 from run.prediction.step_time import measured
 from run.progress import describe_model
+from run.report_figures import newest_report, read_report
 
 NOT_PREDICTED = "data loading; the first step's compilation"
 
@@ -29,13 +28,14 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
     n_params = describe_model(args, shape, model_config, meta_model)
     if args.plan or plan.has_auto(args):
         started = time.perf_counter()
-        rows = plan.plan(
-            args, model_config, world_size, n_params, gpu_gb, dry_run_predictor(args, world_size)
-        )
+        predictor = dry_run_predictor(args, world_size)
+        rows = plan.plan(args, model_config, world_size, n_params, gpu_gb, predictor, names_the_run)
         if args.plan:
             return plan.print_plan(rows, args, world_size, gpu_gb, started)
-        vars(args).update(plan.fastest(rows))
-        print(f"chose: {plan.flags(args, plan.CHANGES)} (the fastest that fits)")
+        vars(args).update(chosen := plan.fastest(rows))
+        print(
+            f"chose: {' '.join(f'--{key}={value}' for key, value in chosen.items())} (the fastest that fits)"
+        )
     model_flops = flops_per_token(meta_model, model_config, args.seq_length)
     hardware_flops = hardware_flops_per_token(args, model_config, meta_model, model_flops)
     most = model_flops / hardware_flops
@@ -86,7 +86,8 @@ def dry_run_predictor(args, world_size):
             return measured(probe.Measured.from_dict(section["measured"]), accumulation, source, "report")
         if options.gpu == "cpu" and not args.benchmark_report:
             found = probe.on_this_cpu(options, model_config, world_size)
-            return measured(found, accumulation, f"this machine's CPU ({world_size} processes)")
+            processes = f"{world_size} processes" if world_size > 1 else "one process"
+            return measured(found, accumulation, f"this machine's CPU, {processes}")
         figures = roofline.from_report(path, report) if report else None
         figures = figures or roofline.from_datasheet(options.gpu)
         return roofline.predicted(work, figures, accumulation)
@@ -101,8 +102,12 @@ def print_prediction(args, prediction, world_size, model_flops, peak, where=""):
     tokens = args.global_batch_size * args.seq_length / world_size
     steps = (prediction.high_s, prediction.low_s) if prediction.basis == "roofline" else (prediction.step_s,)
     rates = "-".join(f"{tokens / step:,.0f}" for step in steps)
-    mfus = "-".join(f"{model_flops * tokens / step / (peak['bf16'] * 1e12):.1%}" for step in steps)
-    print(f"predicted: {rates} tokens/s per device{f', MFU {mfus}' if peak else ''}")
+    mfu = ""
+    if peak:
+        mfu = ", MFU " + "-".join(
+            f"{model_flops * tokens / step / (peak['bf16'] * 1e12):.1%}" for step in steps
+        )
+    print(f"predicted: {rates} tokens/s per device{mfu}")
     if args.max_steps > 0:
         print(f"predicted: {args.max_steps} steps in {duration(args.max_steps * prediction.step_s)}")
     print(f"not predicted: {NOT_PREDICTED}")
