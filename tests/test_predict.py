@@ -305,7 +305,8 @@ def test_a_ddp_step_all_reduces_every_gradient_over_the_world_once_a_step():
     n_params = sum(p.numel() for p in presets.build_meta_model(config).parameters())
     _, step = simulate.simulate(cfg, config, 2, n_params)
     reduced = [operation.collective for operation in step.rest if operation.collective]
-    assert reduced.count(("all_reduce", 4 * n_params, 2, 1)) == 1 and step.times == 2  # 4 micro-steps, 2 traced
+    assert reduced.count(("all_reduce", 4 * n_params, 2, 1)) == 1
+    assert step.times == 2  # 4 micro-steps, 2 traced
 
 
 def test_auto_options_are_refused_where_they_make_no_sense():
