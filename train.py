@@ -219,7 +219,8 @@ def main(argv):
     model_flops = flops_per_token(meta_model, model_config, args.seq_length)
     live = None  # measured before the model takes the device's memory
     if args.predict:
-        holds_for = live_prediction.holds_for(args, NAMES_THE_RUN, device)
+        local = int(os.environ["LOCAL_WORLD_SIZE"])
+        holds_for = live_prediction.holds_for(args, NAMES_THE_RUN, device, world_size, local)
         live = live_prediction.predict_own_step(
             args, model_config, mesh, device, log_folder, holds_for, model_flops
         )

@@ -18,7 +18,7 @@ from conftest import (
 )
 
 from run import launch as run_launch
-from run import simulation, stragglers
+from run import stragglers
 from run.model import build, presets, step
 from run.stops import StopRequests
 
@@ -226,6 +226,5 @@ def test_hardware_flops_count_the_recomputation(mode, preset):
         step.model_loss(model, tokens, tokens).backward()
     model_flops = presets.flops_per_token(model, config, 128)
     plain = presets.build_meta_model(config)
-    layer = presets.decoder_layers(plain)[0]
-    expected = simulation.hardware_flops_per_token(cfg, layer, config, model_flops) * tokens.numel()
+    expected = presets.hardware_flops_per_token(cfg, config, plain, model_flops) * tokens.numel()
     assert counter.get_total_flops() == pytest.approx(expected, rel=0.03)

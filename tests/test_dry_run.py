@@ -11,8 +11,8 @@ from conftest import REPO, SIMULATES, parse_options, validated
 from torch.torch_version import TorchVersion
 
 import train as train_script
-from run import simulation
 from run.model import presets
+from run.prediction import simulate
 
 SMALL = ["--compile=False", "--batch_size=8"]
 # gpt2's width, heads and vocabulary with 4 of its layers: what the tests compare holds at any depth, and a
@@ -27,9 +27,8 @@ def simulated_peak(*args, world_size):
     shape = validated(cfg)
     config = presets.build_model_config(shape)
     ranks_per_node = min(cfg.gpus_per_node, world_size)
-    training = train_script.training_path()
     accumulation = min(2, cfg.global_batch_size // (cfg.batch_size * world_size))
-    return simulation.simulate_step(cfg, config, world_size, training, ranks_per_node, True, accumulation)[0]
+    return simulate.simulate_step(cfg, config, world_size, ranks_per_node, True, accumulation)[0]
 
 
 def dry_run(capsys, *args):
@@ -54,7 +53,7 @@ def test_dry_run_prints_the_simulated_peak_and_a_verdict(capsys, model, world_si
     peak = re.search(r"^peak memory per GPU \(simulated\): ([\d.]+) GB of 80 GB \(H100\)$", out, re.M)
     assert peak and 0 <= float(peak.group(1)) < 80, out
     assert "verdict: fits" in out
-    for category in simulation.MEMORY_CATEGORIES:
+    for category in simulate.MEMORY_CATEGORIES:
         assert re.search(rf"^  {category} +[\d.]+ GB$", out, re.M), category
     assert sum(float(gb) for gb in re.findall(r"^  [a-z ]+ +([\d.]+) GB$", out, re.M)) > 0
     flops = re.search(

@@ -101,11 +101,10 @@ def peak_of(device):
     return datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
 
 
-def holds_for(args, names_the_run, device):
+def holds_for(args, names_the_run, device, world_size, processes_per_node):
     """What a kept prediction holds for: the values of the options that make the run what it is, and the
     machine: this kind of device, as many processes on as many nodes, this torch."""
-    world_size = dist.get_world_size()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
-    machine = {"device": name, "world_size": world_size, "torch": torch.__version__,
-               "processes_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world_size))}  # fmt: skip
+    machine = {"device": name, "world_size": world_size, "processes_per_node": processes_per_node,
+               "torch": torch.__version__}  # fmt: skip
     return {"options": {name: getattr(args, name) for name in names_the_run}, "machine": machine}
