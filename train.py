@@ -267,6 +267,8 @@ def main(argv):
         checkpointer.finish()
         if not stopped:
             export.export_pretrained(model, meta_model, tokenizer, os.path.join(run_dir, "final_model"), rank)
+    if stopped:
+        signals.saved(rank)
     progress.close(stopped, ledger)
     launch.teardown(lock)
     return stops.STOPPED_BY_SIGNAL if stopped else 0

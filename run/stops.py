@@ -13,6 +13,7 @@ import threading
 import time
 
 from common.errors import exit_after_the_speaker, fail
+from common.files import create_atomically
 from run.checkpoints import checkpoint_steps
 
 STOPPED_BY_SIGNAL = 75  # exit status after a requested stop's checkpoint: the job requeues
@@ -74,6 +75,17 @@ class StopSignals:
         stop_file = os.environ.get("JOB_STOP_FILE")
         if stop_file and rank == 0:  # one rank looks: train_step shares its request with every rank
             threading.Thread(target=self.watch_file, args=(stop_file,), daemon=True).start()
+
+    def saved(self, rank):
+        """Rank 0's word to the job (run/job.py), once the run has checkpointed for a stop signal of its own
+        (SIGTERM or SIGINT that reached the workers and not the job: scancel --signal=TERM, a kill of
+        torchrun): the job's stop file, unless the job wrote it. The job, which sees torchrun exit 1 as
+        after a crash, then ends instead of restarting it. Only once saved: torchrun sends SIGTERM to the
+        ranks left after one crashed too, and they never get this far."""
+        stop_file = os.environ.get("JOB_STOP_FILE")
+        if rank == 0 and stop_file and self.requests.reason in ("SIGTERM", "SIGINT"):
+            with contextlib.suppress(OSError):  # FileExistsError: the job wrote it
+                create_atomically(stop_file, f"{self.requests.reason}\n")
 
     def watch_file(self, path):
         while not os.path.exists(path):
