@@ -250,7 +250,9 @@ def main(argv):
             stragglers.first_step_done()
         progress.step_done(step, loss, grad_norm, scheduler.get_last_lr()[0])
         ledger.step_done(step, progress.step_seconds)
-        non_finite.step_done(step, grad_norm)
+        non_finite.step_done(step, grad_norm, ending=stop or step == total_steps)
+        if non_finite.sound:  # the weights of the last save gave a finite step
+            checkpointer.prune()
         scheduler.step()
         val_loss = None
         if validation_batches and args.eval_every and (step % args.eval_every == 0 or step == total_steps):
@@ -266,7 +268,7 @@ def main(argv):
             progress.log(val_loss, fields)
             ledger.write()
         stopped = stop and step < total_steps  # a stop asked for at the last step changes nothing
-        if checkpointer.due(step, last=step == total_steps or stopped):
+        if checkpointer.due(step, last=step == total_steps or stopped) and non_finite.sound:
             with watchdog.phase("writing a checkpoint"), ledger.checkpoint(step):
                 checkpointer.save(progress.trainer_state(), model, optimizer, scheduler, batches)
         if stopped:
@@ -275,7 +277,10 @@ def main(argv):
     with watchdog.phase("writing the last checkpoint and model"), ledger.spending("checkpoint_s"):
         checkpointer.finish()
         if not stopped:
+            checkpointer.prune()
             export.export_pretrained(model, meta_model, tokenizer, os.path.join(run_dir, "final_model"), rank)
+    if stopped:
+        signals.saved(rank)
     progress.close(stopped, ledger)
     launch.teardown(lock)
     return stops.STOPPED_BY_SIGNAL if stopped else 0

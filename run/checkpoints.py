@@ -102,6 +102,7 @@ class Checkpointer:
             args.checkpoint_every, n_params, nodes, args.node_mtbf_hours, write_GBps
         )
         self.pending = None  # (future of (error, checksums), temporary folder, final folder) of an async save
+        self.unpruned = None  # rank 0's newest save, whose older checkpoints wait for prune()
         # Background saves talk over their own group so they never interleave with training collectives.
         self.group = dist.new_group(backend="gloo") if args.async_checkpoint else None
         self.hasher = ThreadPoolExecutor(1) if args.async_checkpoint else None
@@ -214,17 +215,20 @@ class Checkpointer:
             except OSError as error:
                 problem = save_error(error)
             else:
-                self.prune(int(final.rsplit("_", 1)[1]))
+                self.unpruned = int(final.rsplit("_", 1)[1])
                 print(f"checkpoint saved: {final}", flush=True)
         verdict = [problem]
         dist.broadcast_object_list(verdict, src=0)
         if verdict[0]:
             self.abandon(temporary, verdict[0])
 
-    def prune(self, step):
-        """Keeps the newest keep_last checkpoints: the one just written and those before it. A later step
-        is no older checkpoint of this line (one that could not be resumed), and is never removed here."""
-        if self.args.keep_last:
+    def prune(self):
+        """Keeps the newest keep_last checkpoints: the newest save and those before it, once a finite step
+        after it, or the run's end, has shown its weights sound; a non-finite one sets it aside
+        (run/stops.py), and those before it are still there. A later step is no older checkpoint of this
+        line (one that could not be resumed), and is never removed here."""
+        step, self.unpruned = self.unpruned, None
+        if step is not None and self.args.keep_last:
             older = [old for old in checkpoint_steps(self.run_dir) if old < step]
             for old in older[: max(0, len(older) - self.args.keep_last + 1)]:
                 shutil.rmtree(os.path.join(self.run_dir, f"step_{old}"), ignore_errors=True)

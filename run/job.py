@@ -2,7 +2,8 @@
 1. train.py's options are checked first, on one node: a typo costs seconds, not the benchmarks;
 2. benchmark.py on every node (a requeued job skips it once it passed); a node it fails is left out;
 3. training on all nodes but SPARE_NODES of them, kept ready, with SLURM's SIGUSR1 (the time limit is near)
-   passed on to the workers, and a node that froze found by its heartbeats;
+   passed on to the workers, and a node that froze found by its heartbeats; a stop (SIGTERM, SIGINT) ends the
+   job once the workers have checkpointed and exited;
 4. after a failure, the recovery (run/recovery.py): a restart in place, a spare for a bad node, fewer nodes,
    or a requeue without it;
 5. at the time limit, the requeue that resumes from the checkpoint.
@@ -35,7 +36,7 @@ from run.benchmark_reports import (
 )
 from run.heartbeats import HEARTBEAT_S
 from run.job_launch import Watch
-from run.recovery import JobError, Recovery, log
+from run.recovery import JobError, Recovery, Stopped, after_training, log, stopped
 
 # Each knob and what it takes: a whole number, at least this one, or str (text). slurm_submit.sh sets every
 # one, with its default and what it does: the job has no default of its own.
@@ -53,6 +54,9 @@ EARLY_SIGNAL = 0.8
 SIGNAL_EARLINESS_S = 60
 SCALED_LEAD = 0.1
 STOP_FILE = "stop_requested"  # in the run folder: rank 0 looks for it (JOB_STOP_FILE, run/stops.py)
+# The signals that end the job, those torchrun ends its workers for: SIGTERM (kill, scancel, the end of the
+# time limit, a preemption), SIGINT (Ctrl-C), SIGHUP (its terminal closed), SIGQUIT (Ctrl-\)
+ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def read_knobs(environ):
@@ -104,6 +108,7 @@ class Job(Recovery):
         self.signals = []  # signal numbers, as the handler got them; handled between polls
         self.stop = False  # SIGUSR1 came: the workers checkpoint and the job requeues
         self.stop_deadline = None  # an early SIGUSR1: stop at this time of clock() instead
+        self.ending = None  # the first of ENDING to come: no phase starts after it
         self.clock, self.poll_s, self.retry_s, self.beats_s = time.monotonic, 1.0, 0.3, HEARTBEAT_S
         self.run_folder, self.benchmark_s, self.process, self.benchmarks_run = None, 0.0, None, 0
         self.train_args, self.restarts_in_place = None, 0
@@ -250,7 +255,9 @@ class Job(Recovery):
             checked = os.path.join(folder, "checked.json")
             env = {**self.environ, "WORLD_SIZE": str(self.nproc * nodes), "CHECKED_JSON": checked}
             command = [self.python, "train.py", "--check_only", *train_args]
-            if self.scheduler.check(self.nodes[0], command, env, self.knobs.CONTAINER_IMAGE) != 0:
+            refused = self.scheduler.check(self.nodes[0], command, env, self.knobs.CONTAINER_IMAGE)
+            self.handle_signals()  # Ctrl-C reaches the check too: a stop, not a refusal
+            if refused:
                 return None
             return read_json(checked)["log_folder"]
 
@@ -304,14 +311,17 @@ class Job(Recovery):
             args.append(f"--train_args={shlex.join(self.train_args)}")
         command = [self.python, "benchmark.py", "--check_only", *args]  # on one node: a typo costs seconds
         checked = self.benchmarks_run > 1  # the same options, checked before this start's first benchmark
-        if not checked and self.scheduler.check(
-            self.nodes[0], command, self.environ, self.knobs.CONTAINER_IMAGE
-        ):
-            raise JobError("not started: benchmark.py refused its options (above)", 2)
+        if not checked:
+            refused = self.scheduler.check(self.nodes[0], command, self.environ, self.knobs.CONTAINER_IMAGE)
+            self.handle_signals()
+            if refused:
+                raise JobError("not started: benchmark.py refused its options (above)", 2)
         log(f"phase 1: benchmark.py {' '.join(bench_args)}")
         started = self.clock()
         status = self.launch("benchmark.py", args, {}, nodes).status
         self.benchmark_s += self.clock() - started
+        if self.ending:
+            raise stopped(self.ending, f"the benchmark exited (status {status}); nothing more runs")
         outcome = read_outcome(outcome_path(report))
         if outcome is None:
             why = f"the benchmark stopped before a verdict (exit {status}; see its output above)"
@@ -340,9 +350,17 @@ class Job(Recovery):
             log(f"phase 2: train.py {' '.join(train_args)}")
             watch = self.launch("train.py", train_args, env, self.training)
             log(f"training exited with status {watch.status}")
-            if watch.status == 0:
+            # a stop file the job did not write: rank 0 says the workers saved for a stop signal of their own
+            theirs = not (self.ending or self.stop) and os.path.exists(self.stop_file())
+            move = after_training(watch.status, self.ending or theirs, self.stop)
+            if move == "done":
                 return 0
-            if self.stop:  # the time limit: a node to blame as well is left out of the requeued start
+            if move == "end":
+                what = f"training exited (status {watch.status}) and is not restarted; {self.to_resume()}"
+                if self.ending:
+                    raise stopped(self.ending, what)
+                raise Stopped(f"stopped by a stop signal to the training processes: {what}", watch.status)
+            if move == "requeue":  # a node to blame as well is left out of the requeued start
                 blamed = self.may_leave_out() and (watch.failure or watch.blamed())
                 return (
                     watch.status
@@ -387,34 +405,41 @@ class Job(Recovery):
         return watch.finish(process.returncode)
 
     def handle_signals(self):
-        """Acts on the signals the handler saw: SIGTERM (the time limit, scancel) changes nothing, as the
-        workers get it too and the job waits for them; SIGUSR1 asks the workers to stop, by a file rank 0
-        looks for (one a worker that does not catch signals yet cannot die of)."""
+        """Acts on the signals the handler saw: one of ENDING ends the job (terminated()), SIGUSR1 requeues
+        it. Either asks the workers to stop, by a file rank 0 looks for (one a worker that does not catch
+        signals yet cannot die of, and that reaches workers SLURM did not signal: scancel --batch)."""
         while self.signals:
-            if self.signals.pop(0) == signal.SIGTERM:
-                self.terminated()
+            number = self.signals.pop(0)
+            if number != signal.SIGUSR1:
+                self.terminated(number)
             elif not self.stop and self.stop_deadline is None:
                 self.time_limit_near()
         if self.stop_deadline is not None and not self.stop and self.clock() >= self.stop_deadline:
             log("the scaled lead is reached: checkpointing to requeue")
             self.stop = True
-        if self.stop and self.run_folder and not os.path.exists(self.stop_file()):
+        asked = self.ending or (signal.SIGUSR1 if self.stop else None)
+        if asked and self.run_folder and not os.path.exists(self.stop_file()):
             try:  # the folder is train.py's to make, and it may not have yet
                 os.makedirs(self.run_folder, exist_ok=True)
-                write_atomically(self.stop_file(), "SIGUSR1\n")
+                write_atomically(self.stop_file(), f"{signal.Signals(asked).name}\n")
             except OSError as error:  # tried again at the next poll
                 print(f"warning: cannot ask the workers to stop ({error})", file=sys.stderr)
 
-    def terminated(self):
-        """SIGTERM. In a job SLURM sends it to every process of the job, and the job waits for its workers.
-        Outside SLURM only this process gets it: the launch running gets it from here, and none starts."""
+    def terminated(self, number):
+        """A stop: the job ends once the launch running has exited, and no phase starts after it. In a job
+        SLURM signals every process of the job (scancel, the end of the time limit, a preemption), and the
+        job waits for its workers, asked by the stop file too. Outside SLURM the launch runs in a session of
+        its own (run/slurm.py), and this process alone gets the signal, sent to it (kill) or to its process
+        group (Ctrl-C): the launch gets each one from here, once."""
+        self.ending = self.ending or number
+        if self.process is None:
+            raise stopped(self.ending, "before the next phase started")
+        name = signal.Signals(number).name
         if self.scheduler.in_job:
-            log("SIGTERM: waiting for the training processes to exit")
-        elif self.process is None:
-            raise JobError("stopped by SIGTERM before the next phase started", 143)
+            log(f"{name}: waiting for the training processes to exit")
         else:
-            log("SIGTERM: passed on to the workers; waiting for them to exit")
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(number)
+            log(f"{name}: passed on to the launch; waiting for it to exit")
 
     def time_limit_near(self):
         times = self.scheduler.time_left_s()
@@ -442,11 +467,16 @@ def main(argv):
         # in a container, the job itself runs on the host's python3, its workers on the container's python
         python = "python" if knobs.CONTAINER_IMAGE and scheduler.in_job else sys.executable
         job = Job(knobs, scheduler, argv, python, dict(os.environ))
-        for number in (signal.SIGUSR1, signal.SIGTERM):  # SLURM sends SIGUSR1 to the job alone
-            signal.signal(number, job.on_signal)
+        signal.signal(signal.SIGUSR1, job.on_signal)  # SLURM sends it to the job alone
+        for number in ENDING:
+            if signal.getsignal(number) != signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+                signal.signal(number, job.on_signal)
         if os.environ.get("JOB_SIGUSR1"):  # it came before this process started (slurm_submit.sh)
             job.signals.append(signal.SIGUSR1)
         return job.run()
+    except Stopped as stop:
+        log(str(stop))
+        return stop.status
     except JobError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.status

@@ -6,10 +6,14 @@
   train.py's options fit them, or the job requeues without the node: asking for fewer nodes when its
   partition has too few left to start it, or ending, saying why, when even those cannot train;
 - a failure that blames no node and is no crash (bad input, a diverging loss, a failure before the first
-  step): the job ends, as it would have.
+  step): the job ends, as it would have;
+- a stop asked for (SIGTERM, SIGINT: scancel, kill, Ctrl-C), whatever the launch's status: the job ends,
+  and nothing restarts or requeues it (after_training).
 Each decision is one line of the job's log; its timing is left for the next launch's goodput ledger
 (run/goodput.py). Every call to SLURM goes through the scheduler (run/slurm.py). Standard library only."""
 
+import os
+import signal
 import sys
 import time
 
@@ -26,6 +30,27 @@ class JobError(Exception):
     def __init__(self, message, status=1):
         super().__init__(message)
         self.status = status
+
+
+class Stopped(JobError):
+    """Ends the job after a stop asked for, with one line that is no error."""
+
+
+def stopped(number, what):
+    """The job's end after the stop signal number: exit status 128 + number, as a process it ended."""
+    return Stopped(f"stopped by {signal.Signals(number).name}: {what}", 128 + number)
+
+
+def after_training(status, ending, time_limit):
+    """What the job does once a training launch has exited with status: "done" (0); "end" after a stop asked
+    for (ending: a stop signal that came to the job, or to the workers, as rank 0 said), whatever the status,
+    since torchrun exits 1 when it passes a signal on to workers that checkpoint and exit; "requeue" when
+    the time limit is near (time_limit: SIGUSR1); else "recover" from a failure."""
+    if status == 0:
+        return "done"
+    if ending:
+        return "end"
+    return "requeue" if time_limit else "recover"
 
 
 def nodes(count):
@@ -242,9 +267,13 @@ class Recovery:
         excluded = self.scheduler.excluded() if self.scheduler.in_job else ""
         refused = self.scheduler.requeue()
         if refused:
-            print(f"stopped and not requeued: {refused}", file=sys.stderr)
+            print(f"stopped and not requeued: {refused}; {self.to_resume()}", file=sys.stderr)
             return status
         gone = list(suspects.read_excluded(self.run_folder)[0]) if self.run_folder else []
         if gone:  # left out inside the allocation: the next start is not given them either
             self.exclude_once_requeued(excluded, gone)
         return 0
+
+    def to_resume(self):
+        """How to go on from the run's checkpoint: the run's name, which a new quick start does not reuse."""
+        return f"to resume, launch again with --run_name={os.path.basename(self.run_folder)}"

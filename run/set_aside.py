@@ -1,8 +1,9 @@
-"""What a run sets aside rather than deletes: the later checkpoints of a rewind (<run>/rewound_<time>/) and
-the unusable ones a resume falls back past (<run>/unusable_<time>/), each moved into a folder of the run and
-recorded in its rewinds.json. A later save of the same step would have replaced an unusable checkpoint, the
-evidence of what went wrong; the record lets a relaunch of the same --resume_from continue the run's line
-instead of failing on a folder that has gone."""
+"""What a run sets aside rather than deletes: the later checkpoints of a rewind (<run>/rewound_<time>/), the
+unusable ones a resume falls back past (<run>/unusable_<time>/) and those a non-finite stop rules out
+(<run>/nonfinite_<time>/, run/stops.py), each moved into a folder of the run and recorded in its
+rewinds.json. A later save of the same step would have replaced an unusable checkpoint, the evidence of what
+went wrong; the record lets a relaunch of the same --resume_from continue the run's line instead of failing on
+a folder that has gone."""
 
 import json
 import os
@@ -44,12 +45,12 @@ def set_aside(run_dir, names, why, **entry):
     return aside
 
 
-def set_aside_unusable(run_dir, paths):
-    """Rank 0's: the unusable checkpoints paths (step_N folders of run_dir) moved aside; {path: where it
-    went}, or the line that says why they could not be."""
+def set_aside_unusable(run_dir, paths, why="unusable"):
+    """Rank 0's: the unusable checkpoints paths (step_N folders of run_dir) moved aside into a folder named
+    for why; {path: where it went}, or the line that says why they could not be."""
     names = [os.path.basename(path) for path in paths]
     try:
-        aside = set_aside(run_dir, names, "unusable", unusable=True)
+        aside = set_aside(run_dir, names, why, unusable=True)
     except OSError as error:
         return (
             f"cannot set the unusable checkpoints {', '.join(names)} of {run_dir} aside ({error.strerror}), "

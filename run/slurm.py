@@ -45,8 +45,11 @@ class Local:
                 "--max-restarts=0"]  # fmt: skip
 
     def start(self, nodes, command, env):
-        """A launch; its stderr is a pipe the job reads (run/job_launch.py)."""
-        return subprocess.Popen(command, env=env, stderr=subprocess.PIPE)
+        """A launch; its stderr is a pipe the job reads (run/job_launch.py). It runs in a session of its own,
+        so that a signal to the job's process group (Ctrl-C, kill -- -PGID) reaches the job alone, which
+        passes it on once (run/job.py): torchrun, given it twice, passes the second on to its workers, who
+        take a second signal for one that exits at once, writing nothing."""
+        return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, start_new_session=True)
 
     def check(self, node, command, env, container_image):
         """Runs a script's check of its options (train.py's, benchmark.py's) here; returns its exit status."""
@@ -60,7 +63,7 @@ class Local:
             process.send_signal(signal.SIGINT)
 
     def requeue(self):
-        return "not in a SLURM job: nothing to requeue; run the same command again to resume"
+        return "not in a SLURM job: nothing to requeue"
 
 
 class Slurm(Local):

@@ -1,7 +1,8 @@
 """Why a run stops before its last step. A stop asked for (a signal, the job's stop file, a straggler's
 exclusion) is posted to StopRequests, the one channel the training step reads: the run checkpoints at the end
 of that step, on every rank, and exits with STOPPED_BY_SIGNAL. Too many non-finite steps in a row end it with
-an error that names the last checkpoint from before the damage, the one to resume from with new options."""
+an error that names the last checkpoint from before the damage, the one to resume from with new options; the
+checkpoints it rules out are set aside (run/set_aside.py), and none is written during the streak."""
 
 import contextlib
 import glob
@@ -13,7 +14,9 @@ import threading
 import time
 
 from common.errors import exit_after_the_speaker, fail
+from common.files import create_atomically
 from run.checkpoints import checkpoint_steps
+from run.set_aside import set_aside_unusable
 
 STOPPED_BY_SIGNAL = 75  # exit status after a requested stop's checkpoint: the job requeues
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -74,6 +77,17 @@ class StopSignals:
         stop_file = os.environ.get("JOB_STOP_FILE")
         if stop_file and rank == 0:  # one rank looks: train_step shares its request with every rank
             threading.Thread(target=self.watch_file, args=(stop_file,), daemon=True).start()
+
+    def saved(self, rank):
+        """Rank 0's word to the job (run/job.py), once the run has checkpointed for a stop signal of its own
+        (SIGTERM or SIGINT that reached the workers and not the job: scancel --signal=TERM, a kill of
+        torchrun): the job's stop file, unless the job wrote it. The job, which sees torchrun exit 1 as
+        after a crash, then ends instead of restarting it. Only once saved: torchrun sends SIGTERM to the
+        ranks left after one crashed too, and they never get this far."""
+        stop_file = os.environ.get("JOB_STOP_FILE")
+        if rank == 0 and stop_file and self.requests.reason in ("SIGTERM", "SIGINT"):
+            with contextlib.suppress(OSError):  # FileExistsError: the job wrote it
+                create_atomically(stop_file, f"{self.requests.reason}\n")
 
     def watch_file(self, path):
         while not os.path.exists(path):
@@ -139,13 +153,16 @@ def end_children(number, grace_s=2.0):
 
 class NonFiniteSteps:
     """Counts the steps in a row whose loss or gradient norm is not finite (train_step skips their update),
-    and stops the run at max_bad_steps of them."""
+    from the gradient norm the step already brought to the host, and stops the run at max_bad_steps of
+    them, or at the run's end (its last step, a stop asked for) during such a streak. No checkpoint is
+    written during one, nor older ones pruned (sound): the weights are those the blow-up came from."""
 
     def __init__(self, max_bad_steps, run_dir, master):
         self.max_bad_steps, self.run_dir, self.master = max_bad_steps, run_dir, master
         self.in_a_row = 0
 
-    def step_done(self, step, grad_norm):
+    def step_done(self, step, grad_norm, ending):
+        """ending: the run ends after this step, with its checkpoint and, at its last step, its export."""
         self.in_a_row = 0 if math.isfinite(grad_norm) else self.in_a_row + 1
         if not self.in_a_row:
             return
@@ -155,24 +172,47 @@ class NonFiniteSteps:
                 f"limit {self.max_bad_steps})",
                 flush=True,
             )
-        if self.in_a_row >= self.max_bad_steps:
-            self.stop(first_bad=step - self.in_a_row + 1)
+        if self.in_a_row >= self.max_bad_steps or ending:
+            self.stop(first_bad=step - self.in_a_row + 1, cut_short=self.in_a_row < self.max_bad_steps)
 
-    def stop(self, first_bad):
+    @property
+    def sound(self):
+        return not self.in_a_row
+
+    def stop(self, first_bad, cut_short):
         if not self.master:
             exit_after_the_speaker()
+        aside = set_aside_ruled_out(self.run_dir, first_bad)
         good = last_good_checkpoint(self.run_dir, first_bad)
         if good:
             then = f"last good checkpoint: {good}; resume with --resume_from={good} and the new options"
         else:
             then = (
                 f"no checkpoint of this run is from before step {first_bad - 1}'s update: start again with "
-                "the new options and another --run_name"
+                "the new options"
             )
+        when = ", at the run's end" if cut_short else ""
         fail(
-            f"stopping: {self.in_a_row} non-finite steps in a row from step {first_bad} (lower --lr or raise "
-            f"--warmup_steps); {then}"
+            f"stopping: {self.in_a_row} non-finite steps in a row from step {first_bad}{when} (lower --lr or "
+            f"raise --warmup_steps); {aside}{then}"
         )
+
+
+def set_aside_ruled_out(run_dir, first_bad):
+    """The checkpoints of run_dir a non-finite stop rules out, set aside as unusable (run/set_aside.py), so
+    that no relaunch resumes from them and no later stop names them: the one holding the update that broke
+    the weights (first_bad - 1), saved before anyone could know, and any later. Returns what it says of them,
+    ending '; ', or ''."""
+    names = [f"step_{step}" for step in checkpoint_steps(run_dir) if step >= first_bad - 1]
+    if not names:
+        return ""
+    moved = set_aside_unusable(run_dir, [os.path.join(run_dir, name) for name in names], "nonfinite")
+    if isinstance(moved, str):
+        return f"{moved}; "
+    folder = os.path.dirname(next(iter(moved.values())))
+    if len(names) == 1:
+        return f"{names[0]}, which holds the update that broke the weights, is set aside in {folder}; "
+    return f"{', '.join(names)}, from the update that broke the weights on, are set aside in {folder}; "
 
 
 def last_good_checkpoint(run_dir, first_bad):

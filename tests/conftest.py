@@ -66,6 +66,7 @@ def pytest_configure(config):
 LONGEST_FIRST = [
     "test_slurm.py",  # mostly waiting on its jobs: the other worker's runs fill the cores meanwhile
     "test_checkpoint.py",
+    "test_quickstart.py",  # five jobs, each started, then stopped
     "test_compiled.py",
     "test_models.py",
     "test_data.py",
@@ -73,7 +74,6 @@ LONGEST_FIRST = [
     "test_dry_run.py",
     "test_train.py",
     "test_benchmark.py",
-    "test_quickstart.py",
     "test_diagnose.py",
 ]
 

@@ -22,6 +22,7 @@ from conftest import ODD, REPO, TINY, fill_disk, launch, make_odd
 
 from common import suspects
 from run import benchmark_reports, job, job_launch, slurm
+from run.recovery import Stopped, after_training
 
 HOSTS = ["n1", "n2", "n3"]
 
@@ -122,17 +123,19 @@ class FakeSlurm:
 
 @pytest.fixture
 def job_signals(monkeypatch):
-    """SIGUSR1 to this process goes to the start of the job running now, as main() sets it up."""
+    """SIGUSR1 and SIGTERM to this process go to the start of the job running now, as main() sets it up."""
     original = job.Job.__init__
 
     def init(start, *args):
         original(start, *args)
-        signal.signal(signal.SIGUSR1, start.on_signal)
+        for number in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(number, start.on_signal)
 
     monkeypatch.setattr(job.Job, "__init__", init)
-    previous = signal.getsignal(signal.SIGUSR1)
+    previous = {number: signal.getsignal(number) for number in (signal.SIGUSR1, signal.SIGTERM)}
     yield
-    signal.signal(signal.SIGUSR1, previous)
+    for number, handler in previous.items():
+        signal.signal(number, handler)
 
 
 @functools.cache
@@ -667,6 +670,80 @@ def test_a_failure_train_py_says_or_that_comes_before_training_is_not_restarted(
     assert "the launch failed before its first step: not restarting it" in capsys.readouterr().err
 
 
+def test_after_a_training_launch_a_stop_ends_the_job_the_time_limit_requeues_and_a_crash_recovers():
+    table = {  # (training's exit status, the stop that came to the job, SIGUSR1 came): what the job does
+        (0, None, False): "done",
+        (0, signal.SIGTERM, False): "done",  # it finished as the stop came
+        (1, None, False): "recover",  # a crash: restarted in place, or a node left out
+        (1, signal.SIGTERM, False): "end",  # torchrun passes a stop on, the workers save, torchrun exits 1
+        (1, signal.SIGINT, False): "end",
+        (143, signal.SIGTERM, False): "end",
+        (75, None, True): "requeue",
+        (1, None, True): "requeue",
+        (1, signal.SIGTERM, True): "end",  # a stop after the time limit's warning: not requeued either
+    }
+    assert {case: after_training(*case) for case in table} == table
+
+
+@pytest.mark.parametrize("usr1_first", [False, True], ids=["scancel", "scancel after SIGUSR1"])
+def test_a_stop_in_a_job_ends_it_in_one_line_with_no_restart_or_requeue(
+    tmp_path, capsys, job_signals, usr1_first
+):
+    """In a job SLURM signals the job and its workers alike (scancel, the time limit's end): the workers
+    checkpoint and torchrun exits 1, which is no crash; the job, which waited for them, ends."""
+
+    def phases(script, nodes, process):
+        if process.polls == 2:
+            if usr1_first:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return trains(tmp_path, process, nodes, 1 if process.polls > 3 else None)
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    with pytest.raises(Stopped) as stop:
+        run_job(scheduler, SKIP_BENCHMARK=1)
+    assert stop.value.status == 143 and str(stop.value) == (
+        f"stopped by SIGTERM: training exited (status 1) and is not restarted; to resume, launch again with "
+        f"--run_name={tmp_path.name}"
+    )
+    assert (
+        len(scheduler.launches) == 1 and scheduler.requeues == 0 and not (tmp_path / "recovery.json").exists()
+    )
+    assert "SIGTERM: waiting for the training processes to exit" in capsys.readouterr().out
+
+
+def test_a_stop_signal_the_workers_alone_saved_for_ends_the_job_with_no_restart(tmp_path):
+    """scancel --signal=TERM signals the training processes and not the job: rank 0, once saved, writes the
+    job's stop file, and the job takes torchrun's exit 1 for the stop it is, not a crash."""
+
+    def phases(script, nodes, process):
+        if process.polls == 3:
+            Path(process.env["JOB_STOP_FILE"]).write_text("SIGTERM\n")
+        return trains(tmp_path, process, nodes, 1 if process.polls > 3 else None)
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    with pytest.raises(Stopped) as stop:
+        run_job(scheduler, SKIP_BENCHMARK=1)
+    assert stop.value.status == 1 and str(stop.value).startswith(
+        "stopped by a stop signal to the training processes: training exited (status 1) and is not restarted"
+    )
+    assert len(scheduler.launches) == 1 and scheduler.requeues == 0
+
+
+def test_a_stop_while_the_job_checks_the_nodes_after_a_crash_ends_it_before_a_restart(tmp_path, job_signals):
+    def phases(script, nodes, process):
+        if script == "train.py":
+            return trains(tmp_path, process, nodes, 1)
+        if len(scheduler.launches) == 3:  # the benchmark of the nodes after the crash
+            os.kill(os.getpid(), signal.SIGTERM)
+        return passing_benchmark(process)
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    with pytest.raises(Stopped, match=r"^stopped by SIGTERM: the benchmark exited \(status 0\); "):
+        run_job(scheduler)
+    assert [script for _, script, _ in launched(scheduler)] == ["benchmark.py", "train.py", "benchmark.py"]
+
+
 def test_a_node_left_out_inside_the_allocation_stays_out_after_a_requeue_for_the_time_limit(
     tmp_path, job_signals
 ):
@@ -814,25 +891,28 @@ class LocalWithoutTraining(slurm.Local):
 
     def start(self, nodes, command, env):
         got = os.path.join(self.run_folder, "got")
-        code = (f"import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *_: (open({got!r}, 'w')"
-                ".write('SIGTERM'), sys.exit(143)))\nopen(sys.argv[1], 'w').close()\n"
-                "time.sleep(60)")  # fmt: skip
+        code = (f"import signal, sys, time\nfor n in {[int(n) for n in job.ENDING]}: signal.signal(n, "
+                f"lambda n, _: (open({got!r}, 'w').write(signal.Signals(n).name), sys.exit(1)))\n"
+                "open(sys.argv[1], 'w').close()\ntime.sleep(60)")  # fmt: skip
         return subprocess.Popen([sys.executable, "-c", code, os.path.join(self.run_folder, "started")])
 
 
-def test_sigterm_to_the_job_outside_slurm_reaches_its_workers(tmp_path):
-    """Outside SLURM only the job's process gets the SIGTERM: it passes it on to the launch running."""
+@pytest.mark.parametrize("number", job.ENDING, ids=lambda number: number.name)
+def test_a_stop_to_the_job_outside_slurm_reaches_its_workers_and_ends_it(tmp_path, number):
+    """Outside SLURM the launch runs in a session of its own, and the job's process alone gets a stop (kill,
+    Ctrl-C to its process group): it passes it on to the launch running, then ends."""
     start = job.Job(knobs_of(SKIP_BENCHMARK=1), LocalWithoutTraining(tmp_path), [], "python", {})
     start.poll_s = 0.05
 
     def terminate_once_started():
         while not (tmp_path / "started").exists():
             time.sleep(0.05)
-        start.on_signal(signal.SIGTERM, None)
+        start.on_signal(number, None)
 
     threading.Thread(target=terminate_once_started, daemon=True).start()
-    assert start.run() == 143
-    assert (tmp_path / "got").read_text() == "SIGTERM"
+    with pytest.raises(Stopped, match=rf"^stopped by {number.name}: training exited \(status 1\)"):
+        start.run()
+    assert (tmp_path / "got").read_text() == number.name
 
 
 def test_a_damaged_excluded_nodes_file_is_read_as_far_as_it_goes(tmp_path):

@@ -246,6 +246,48 @@ def test_time_limit_checkpoints_requeues_and_resumes(time_limit_job):
     assert ledger["launches"] == 2 and ledger["waiting_s"] > 0, ledger
 
 
+@pytest.mark.parametrize(
+    "scancel, said",
+    [
+        (["--signal=TERM"], "a stop signal to the training processes"),  # the job's steps, not the job
+        (["--signal=TERM", "--batch"], "SIGTERM"),  # the job alone: it asks its workers to stop
+    ],
+    ids=["the training processes", "the job"],
+)
+def test_scancel_ends_the_job_once_saved_with_no_restart(cluster, tmp_path, scancel, said):
+    """SIGTERM to one side of the job: the training processes save and torchrun exits 1, which is no crash,
+    and the job ends in one line. (A cancel sends it to both, and SIGKILL KillWait later, 5 s here.)"""
+    job_id = submit(
+        "slurm_submit.sh",
+        tmp_path,
+        *TINY,
+        "--max_steps=100000",
+        f"--log_dir={tmp_path}/logs",
+        f"--checkpoint_dir={tmp_path}/ckpt",
+        sbatch=["--nodes=2"],
+        NPROC_PER_NODE="1",
+        SKIP_BENCHMARK="1",
+    )
+    signalled = []
+
+    def scancel_once_training(fields):
+        if not signalled and len(metrics(tmp_path / "logs")) >= 3:
+            subprocess.run(["scancel", *scancel, job_id], check=True)
+            signalled.append(job_id)
+
+    fields, output = wait(job_id, tmp_path, on_poll=scancel_once_training)
+    assert signalled and fields["Restarts"] == "0" and fields["JobState"] == "FAILED", output
+    assert output.count("phase 2: train.py") == 1 and "restarting in place" not in output, output
+    stops = re.findall(r"^stopped by signal after step (\d+)", output, re.M)
+    assert len(stops) == 1 and list((tmp_path / "ckpt").glob(f"*/step_{stops[0]}")), output
+    assert re.search(
+        rf"^\d\d:\d\d:\d\d stopped by {said}: training exited \(status 1\) and is not restarted; to "
+        r"resume, launch again with --run_name=\S+$",
+        output,
+        re.M,
+    ), output
+
+
 def test_impossible_node_count_is_rejected_at_submission(cluster):
     out = subprocess.run(
         ["sbatch", "--nodes=4", "slurm_submit.sh"], cwd=REPO, env=ENV, capture_output=True, text=True
