@@ -1,10 +1,11 @@
 """A roofline: the least time the step's work can take on a device's figures, for when nothing of this model
-was measured on it (another GPU, a datasheet, a benchmark report without this model's timings). Each
-operation of the simulated step takes the longer of its FLOPs at the device's matmul rate and its bytes at
-its memory bandwidth, each collective its bytes at the bus bandwidth; a GPU runs collectives beside its
-compute, a CPU in turn with it. It is a bound, not a prediction: real steps take longer (kernels below the
-matmul rate, the host's time, exposed communication), by a factor measured on this project's runs
-(STEP_OVER_ROOFLINE), and the prediction is the bound times that factor's range."""
+was measured on it (another GPU, a datasheet, a benchmark report without this model's timings). The
+simulated step's FLOPs run at the device's sustained matmul rate, its collectives move their bytes at the
+bus bandwidth; a GPU runs collectives beside its compute, a CPU in turn with it. Memory-bound operations are
+left out: a compiled step fuses most of them, and what each costs alone would overstate the step. It is a
+bound, not a prediction: real steps take longer (attention and elementwise kernels, the host's time,
+exposed communication), by a factor measured on this project's runs (STEP_OVER_ROOFLINE), and the
+prediction is the bound times that factor's range."""
 
 import bisect
 import dataclasses
@@ -16,31 +17,29 @@ from common.nccl_tests import BUSBW_FACTORS
 from run.prediction.step_time import roofline as roofline_prediction
 
 # Of a datasheet's dense peak, what a GPU sustains, as benchmark.py measured it on one H100 SXM: a bf16
-# matmul loop at 676 of 989.4 TFLOP/s, a device copy at 3,013 of 3,350 GB/s (docs/PERFORMANCE.md).
+# matmul loop at 676 of 989.4 TFLOP/s (docs/PERFORMANCE.md).
 MATMUL_OF_PEAK = 676 / 989.4
-COPY_OF_PEAK = 3013 / 3350
 # Without a report, the collectives of a GPU node: NVLink 4 ring busbw of 8 H100s (nccl-tests, NVLS off)
 # inside a node, one 400 Gb/s NIC per GPU between nodes (46 GB/s each); docs/BENCHMARK_FEATURES.md.
 ASSUMED_BUSBW_GBPS = {"intra-node": 360.0, "inter-node": 46.0}
 # Measured steps over their roofline on this project's runs (docs/PERFORMANCE.md, "The predicted step
-# against the measured one"): GPUs, the three runs on one H200; CPUs, the grid's rows on a CPU report.
-STEP_OVER_ROOFLINE = {"cuda": (1.15, 1.75), "cpu": (1.5, 6.0)}
+# against the measured one"): GPUs, the three compiled runs on one H200 (4b op 1.16, 4b full 1.14, gpt2-xl
+# 1.42); CPUs, the grid's rows on this machine's CPU reports.
+STEP_OVER_ROOFLINE = {"cuda": (1.14, 1.42), "cpu": (1.5, 6.0)}
 
 
 @dataclasses.dataclass
 class Figures:
-    """A device's figures: matmul FLOP/s by dtype, memory bytes/s, busbw by (collective, group size, nodes)
-    -> [(message bytes, bus bytes/s)] ascending (a sweep; None: ASSUMED_BUSBW_GBPS), and its kind."""
+    """A device's figures: matmul FLOP/s by dtype, busbw by (collective, between nodes) -> [(message bytes,
+    bus bytes/s)] ascending (a sweep; none: ASSUMED_BUSBW_GBPS), and its kind."""
 
     source: str
     kind: str  # "cuda" or "cpu"
     flops_per_s: dict
-    bytes_per_s: float
     sweeps: dict | None = None
 
     def operation_seconds(self, operation):
-        rate = self.flops_per_s.get(operation.dtype, self.flops_per_s[torch.float32])
-        return max(operation.flops / rate, operation.bytes / self.bytes_per_s)
+        return operation.flops / self.flops_per_s.get(operation.dtype, self.flops_per_s[torch.float32])
 
     def collective_seconds(self, name, size, group, nodes):
         if group <= 1:
@@ -59,26 +58,25 @@ def from_datasheet(gpu):
     rate = sheet["bf16"] * 1e12 * MATMUL_OF_PEAK
     fp32 = (sheet["tf32"] or sheet["fp32"]) * 1e12 * MATMUL_OF_PEAK
     flops = {torch.bfloat16: rate, torch.float16: rate, torch.float32: fp32}
-    return Figures(f"the datasheet of {gpu}", "cuda", flops, sheet["memory_GBps"] * 1e9 * COPY_OF_PEAK)
+    return Figures(f"the datasheet of {gpu}", "cuda", flops)
 
 
 def from_report(path, report):
-    """A benchmark report's figures: its GPUs' bf16 matmul and copy, or its CPUs' all-core matmul and
-    memory copy shared by a node's ranks; its busbw sweeps (its slowest GPU or node counts); None where it
-    holds neither."""
+    """A benchmark report's figures: its GPUs' bf16 matmul rate, or its CPUs' all-core one shared by a node's
+    ranks (its slowest GPU or node counts); its busbw sweeps; None where it holds no matmul rate."""
     gpus = [gpu for gpu in (report.get("gpu") or {}).values() if isinstance(gpu, dict) and "name" in gpu]
     if gpus:
-        rate, copy = least(gpus, "matmul_bf16_TFLOPS", 1e12), least(gpus, "copy_GB/s", 1e9)
+        rate = least(gpus, "matmul_bf16_TFLOPS", 1e12)
         flops = {torch.bfloat16: rate, torch.float16: rate, torch.float32: rate and rate / 2}
     else:
         per_node = report["world"]["ranks_per_node"]
         rate = least(node_figures(report, "cpu"), "matmul_fp32_GFLOPS", 1e9 / per_node)
-        copy = least(node_figures(report, "memory"), "copy_all_cores_GB/s", 1e9 / per_node)
         flops = {torch.float32: rate, torch.bfloat16: rate, torch.float16: rate}
-    if not (rate and copy):
+    if not rate:
         return None
-    return Figures(f"the figures of benchmark report {path}", "cuda" if gpus else "cpu", flops, copy,
-                   sweeps(report))  # fmt: skip
+    return Figures(
+        f"the figures of benchmark report {path}", "cuda" if gpus else "cpu", flops, sweeps(report)
+    )
 
 
 def sweeps(report):

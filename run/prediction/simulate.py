@@ -97,7 +97,6 @@ class Operation:
     """One operation or collective of the step, as one rank issues it, with what a roofline needs."""
 
     flops: float
-    bytes: float
     dtype: torch.dtype | None  # of its first floating-point input: which matmul rate applies
     collective: tuple | None = None  # (nccl-tests name, bytes as nccl-tests sizes them, group size, nodes)
     backward: bool = False  # inside autograd's backward: the micro-steps end with the last such operation
@@ -126,11 +125,10 @@ class Recorder(TorchDispatchMode):
             return out
         tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         floats = [t.dtype for t in tensors if t.dtype.is_floating_point]
-        moved = sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors + outputs(out)}.values())
         collective = self.collective(func, args, tensors)
         backward = torch._C._current_graph_task_id() != -1
-        self.operations.append(Operation(flops(func, args, kwargs, out), moved, floats[0] if floats else None,
-                                         collective, backward))  # fmt: skip
+        dtype = floats[0] if floats else None
+        self.operations.append(Operation(flops(func, args, kwargs, out), dtype, collective, backward))
         return out
 
     def collective(self, func, args, tensors):
@@ -158,25 +156,14 @@ def is_view(func):
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
-def outputs(out):
-    return [leaf for leaf in tree_leaves(out) if isinstance(leaf, torch.Tensor)]
-
-
 def flops(func, args, kwargs, out):
     """FLOPs as torch's FLOP counter counts them."""
-    shapes = [tuple(leaf.shape) for leaf in args[:4] if isinstance(leaf, torch.Tensor)]
     if str(func) in CPU_ATTENTION:
+        shapes = [tuple(leaf.shape) for leaf in args[:4] if isinstance(leaf, torch.Tensor)]
         backward = "backward" in str(func)
         return CPU_ATTENTION[str(func)](*(shapes[:4] if backward else shapes[:3]))
     count = flop_registry.get(func._overloadpacket)
-    if count is None:
-        return 0
-    shaped = torch.utils._pytree.tree_map(lambda v: v.shape if isinstance(v, torch.Tensor) else v,
-                                          (args, kwargs, out))  # fmt: skip
-    try:
-        return count(*shaped[0], **shaped[1], out_shape=shaped[2])
-    except TypeError:
-        return 0
+    return count(*args, **kwargs, out_val=out) if count else 0
 
 
 def simulated_compiler(gm, example_inputs):
@@ -271,7 +258,7 @@ def simulate(args, model_config, world_size, n_params, ranks_per_node=None, fuse
         memory, operations = simulate_step(as_full, model_config, 1, 1, fused, traced)
         memory["gradients"] += 4 * n_params
         nodes = max(1, world_size // ranks_per_node)
-        all_reduce = Operation(0, 4 * n_params, None, ("all_reduce", 4 * n_params, world_size, nodes))
+        all_reduce = Operation(0, None, ("all_reduce", 4 * n_params, world_size, nodes))
     else:
         memory, operations = simulate_step(args, model_config, world_size, ranks_per_node, fused, traced)
     if args.cpu_offload:
