@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -237,19 +238,35 @@ def small_disks(tmp_path_factory):
         subprocess.run(["umount", str(folder)], check=True)
 
 
+class Hung(BaseException):
+    """A read that would never end. Not an OSError (as TimeoutError is), which a reader may catch and then
+    read again."""
+
+
 @pytest.fixture
 def deadline():
-    """A read that would hang (a FIFO waiting for a writer, /dev/zero read to its end) fails the test after
-    60 s instead of holding the suite."""
+    """A read that would hang fails the test instead of holding the suite: one waiting on a FIFO after 20 s
+    (a read takes milliseconds), and every 5 s after should a reader catch it; one reading /dev/zero to its
+    end with a MemoryError once it has taken 2 GB (the kernel's read never returns to Python, which would see
+    the alarm only once memory ran out)."""
 
     def expired(*_):
-        raise TimeoutError("the read hung")
+        raise Hung("the read hung")
 
     previous = signal.signal(signal.SIGALRM, expired)
-    signal.alarm(60)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, previous)
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    in_use = int(Path("/proc/self/statm").read_text().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    ceiling = in_use + (2 << 30)
+    resource.setrlimit(
+        resource.RLIMIT_AS, (min(ceiling, limits[1]) if limits[1] >= 0 else ceiling, limits[1])
+    )
+    signal.setitimer(signal.ITIMER_REAL, 20, 5)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        resource.setrlimit(resource.RLIMIT_AS, limits)
 
 
 # What can stand where a file is kept, and how its refusal names it (common/files.py)

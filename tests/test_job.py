@@ -953,7 +953,9 @@ def test_an_excluded_nodes_file_that_is_not_a_regular_file_is_set_aside_and_list
     assert list(suspects.read_excluded(tmp_path)[0]) == ["n3"] and path.read_text().startswith("n3\t")
 
 
-def test_a_suspect_that_names_no_node_is_ignored_and_a_why_on_many_lines_is_kept_on_one(tmp_path, capsys):
+def test_a_suspect_that_names_no_node_is_ignored_and_a_why_on_many_lines_is_kept_on_one(
+    tmp_path, capsys, deadline
+):
     """A why on several lines, or a node named with a tab, would have added lines of its own to
     excluded_nodes: nodes nobody blamed."""
     folder = suspects.suspects_folder(tmp_path)
