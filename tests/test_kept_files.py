@@ -18,7 +18,8 @@ import benchmark
 import train as train_script
 from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, read_regular
-from run import benchmark_reports, launch, live_prediction, plan, run_log, set_aside
+from run import benchmark_reports, launch, run_log, set_aside
+from run.prediction import plan
 
 
 def test_a_relaunch_at_another_global_batch_chooses_again_and_never_trains_without_micro_steps(
@@ -58,8 +59,25 @@ def auto_run(tmp_path, *flags):
     return args, functools.partial(train_script.taking_choice, args, shape)
 
 
+@pytest.fixture
+def settle(monkeypatch):
+    """plan.settle on a process group of one, choosing what choose() says (the fastest candidate, as probing
+    each one on the run's devices finds it) and counting its calls."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+
+    def settled(args, folder, choose, taking):
+        monkeypatch.setattr(plan, "fastest_measured", lambda *_: choose())
+        plan.settle(args, None, 0, str(folder), torch.device("cpu"), taking)
+
+    yield settled
+    dist.destroy_process_group()
+
+
 def chooser(**chosen):
-    """choose() for settle: the fastest candidate, as simulation.choose_on_this_device gives it, counted."""
+    """The fastest candidate, as probing each gives it, counted."""
 
     def choose():
         choose.calls += 1
@@ -69,16 +87,18 @@ def chooser(**chosen):
     return choose
 
 
-def test_a_kept_choice_is_taken_with_one_line_only_for_what_it_was_chosen_for(tmp_path, capsys):
+def test_a_kept_choice_is_taken_with_one_line_only_for_what_it_was_chosen_for(tmp_path, capsys, settle):
     args, taking = auto_run(tmp_path, "--batch_size=auto")
-    plan.settle(args, tmp_path, 0, chooser(batch_size=4), taking)
+    settle(args, tmp_path, chooser(batch_size=4), taking)
     assert args.batch_size == 4
     assert re.search(
-        r"^chose: --batch_size=4 \(the fastest that fits; kept in ", capsys.readouterr().out, re.M
+        r"^chose: --batch_size=4 \(the fastest that fits, each candidate probed .*; kept in ",
+        capsys.readouterr().out,
+        re.M,
     )
     again, taking = auto_run(tmp_path, "--batch_size=auto")
     choose = chooser(batch_size=2)
-    plan.settle(again, tmp_path, 0, choose, taking)
+    settle(again, tmp_path, choose, taking)
     assert again.batch_size == 4 and choose.calls == 0
     took = capsys.readouterr().out.strip()
     assert re.fullmatch(
@@ -87,10 +107,10 @@ def test_a_kept_choice_is_taken_with_one_line_only_for_what_it_was_chosen_for(tm
         took,
     ), took
     other, taking = auto_run(tmp_path, "--batch_size=auto", "--global_batch_size=2")  # 2 over 1 rank
-    plan.settle(other, tmp_path, 0, chooser(batch_size=2), taking)
+    settle(other, tmp_path, chooser(batch_size=2), taking)
     assert other.batch_size == 2  # a batch of 4 would make a global batch of 2 no micro-step at all
     explicit, taking = auto_run(tmp_path, "--batch_size=8", "--activation_checkpointing=auto")
-    plan.settle(explicit, tmp_path, 0, chooser(batch_size=8, activation_checkpointing="op"), taking)
+    settle(explicit, tmp_path, chooser(batch_size=8, activation_checkpointing="op"), taking)
     assert explicit.batch_size == 8 and explicit.activation_checkpointing == "op"
     assert json.loads((tmp_path / "plan.json").read_text())["options"] == {"activation_checkpointing": "op"}
     assert "warning" not in capsys.readouterr().err
@@ -98,7 +118,9 @@ def test_a_kept_choice_is_taken_with_one_line_only_for_what_it_was_chosen_for(tm
 
 def choice(args, options):
     """A plan.json made for args's options on this machine, setting options."""
-    return {"for": plan.choice_for(args), "options": options, "made": "2020-01-01 00:00"}
+    import torch
+
+    return {"for": plan.choice_for(args, torch.device("cpu")), "options": options, "made": "2020-01-01 00:00"}
 
 
 CRAFTED = {
@@ -123,14 +145,14 @@ CRAFTED = {
 
 
 @pytest.mark.parametrize("case", CRAFTED)
-def test_a_crafted_choice_sets_nothing_and_is_one_warning_then_made_again(tmp_path, capsys, case):
+def test_a_crafted_choice_sets_nothing_and_is_one_warning_then_made_again(tmp_path, capsys, case, settle):
     options, why = CRAFTED[case]
     args, taking = auto_run(tmp_path, "--batch_size=auto")
     kept = tmp_path / "plan.json"
     kept.write_text(json.dumps(choice(args, options)))
     before = dict(vars(args))
     choose = chooser(batch_size=8)
-    plan.settle(args, tmp_path, 0, choose, taking)
+    settle(args, tmp_path, choose, taking)
     assert choose.calls == 1 and vars(args) == {**before, "batch_size": 8}
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"warning: {kept} is not a choice of the auto options this launch can take (")
@@ -139,23 +161,23 @@ def test_a_crafted_choice_sets_nothing_and_is_one_warning_then_made_again(tmp_pa
     assert json.loads(kept.read_text())["options"] == {"batch_size": 8}
 
 
-def test_a_crafted_sharding_is_refused_as_on_the_command_line(tmp_path, capsys):
+def test_a_crafted_sharding_is_refused_as_on_the_command_line(tmp_path, capsys, settle):
     args, taking = auto_run(tmp_path, "--sharding=auto")
     bogus = {"sharding": "bogus", "shard_group_size": None}
     (tmp_path / "plan.json").write_text(json.dumps(choice(args, bogus)))
-    plan.settle(args, tmp_path, 0, chooser(batch_size=8), taking)
+    settle(args, tmp_path, chooser(batch_size=8), taking)
     assert args.sharding == "full"
     assert "(--sharding=bogus is not one of: full, grad_op, hybrid, ddp, auto)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ODD)
 def test_a_kept_choice_that_is_not_a_regular_file_is_set_aside_and_made_again(
-    tmp_path, capsys, kind, deadline
+    tmp_path, capsys, kind, deadline, settle
 ):
     args, taking = auto_run(tmp_path, "--batch_size=auto")
     kept = tmp_path / "plan.json"
     words = make_odd(kept, kind)
-    plan.settle(args, tmp_path, 0, chooser(batch_size=8), taking)
+    settle(args, tmp_path, chooser(batch_size=8), taking)
     assert args.batch_size == 8 and json.loads(kept.read_text())["options"] == {"batch_size": 8}
     err = capsys.readouterr().err.strip()
     assert err.startswith(
@@ -201,16 +223,6 @@ def test_a_checkpoint_set_aside_as_unusable_is_matched_by_its_whole_name(tmp_pat
 
 
 @pytest.mark.parametrize("kind", ODD)
-def test_a_kept_prediction_that_is_not_a_regular_file_is_predicted_anew(tmp_path, capsys, kind, deadline):
-    path = tmp_path / live_prediction.KEPT
-    words = make_odd(path, kind)
-    assert live_prediction.kept(tmp_path, live_prediction.machine_here(2, 2)) is None
-    assert capsys.readouterr().err == (
-        f"warning: {path} is not a prediction ({path} {words}); predicting the step again\n"
-    )
-
-
-@pytest.mark.parametrize("kind", ODD)
 def test_a_benchmark_outcome_that_is_not_a_regular_file_is_no_verdict(tmp_path, kind, deadline):
     make_odd(tmp_path / "benchmark_1.outcome.json", kind)
     assert benchmark_reports.read_outcome(tmp_path / "benchmark_1.outcome.json") is None
@@ -225,7 +237,7 @@ def test_a_config_file_that_is_not_a_regular_file_is_one_line_and_exit_2(tmp_pat
     with pytest.raises(ConfigError, match=f"^{re.escape(words)}$"):
         parse_options(["--model=tiny", f"--config={path}"])
     with pytest.raises(SystemExit) as exit_info:
-        benchmark.traced_model_step(f"--model=tiny --config={path}")
+        benchmark.train_run(f"--model=tiny --config={path}")
     assert exit_info.value.code == 2
 
 

@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 import yaml
-from conftest import ODD, SIMULATES, make_odd, parse_options, validated
+from conftest import ODD, SIMULATES, launch, make_odd, parse_options, validated
 
 import train as train_script
 from common.errors import ConfigError
@@ -425,3 +425,24 @@ def test_a_cpu_report_of_another_host_or_a_broken_one_under_log_dir_is_passed_ov
     assert len(warnings) == 2 and all(line.endswith("; passed over") for line in warnings), warnings
     assert "benchmark_3.yaml is not YAML (" in warnings[1] and "benchmark_4.yaml is a FIFO" in warnings[0]
     assert report_figures.newest_report(str(tmp_path), "H100") is None
+
+
+@SIMULATES
+def test_the_benchmark_probes_a_configuration_on_its_ranks_and_the_dry_run_predicts_from_it(tmp_path, capsys):
+    """benchmark.py --train_args on 2 processes steps copies of the run's model on its own process group; the
+    report's model section then gives the dry run of the same configuration its step, said so."""
+    train_args = [*TINY_STEP, "--sharding=grad_op"]
+    report = tmp_path / "probed.yaml"
+    done = launch("benchmark.py", ["--quick", "--only=cpu", f"--report={report}", f"--report_dir={tmp_path}",
+                                   f"--train_args={' '.join(train_args)}"])  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = read_report(report)["model"]
+    assert model["world_size"] == 2 and model["options"]["sharding"] == "grad_op", model
+    (copy_,) = model["measured"]["copies"]  # two layers: the model is its own copy
+    assert copy_["depth"] == 2 and copy_["step_s"] > 0 and model["measured"]["accumulation"] == 1
+    code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=2", *train_args,
+                         f"--benchmark_report={report}")  # fmt: skip
+    assert (
+        code == 0
+        and f"(from benchmark report {report}'s timings of this configuration on its 2 ranks)" in out
+    )

@@ -147,20 +147,20 @@ def settle(args, model_config, n_params, log_folder, device, taking):
     dist.broadcast_object_list(shared, src=0)
     chosen = shared[0]
     if chosen is not None:
-        how = f"taken from {path}, chosen by the run's launch of {kept[1] if master else ''}"
+        said = f"auto: took {{}} from {path}, chosen by the run's launch of {kept[1] if master else ''}"
     else:
         started = time.perf_counter()
         fastest = fastest_measured(args, model_config, n_params, device)
         chosen = {name: fastest[name] for name in names}
-        how = (f"the fastest that fits, each candidate probed here: {time.perf_counter() - started:.0f} s; "
-               f"kept in {path} for every relaunch of this run with these options on this "
-               "machine")  # fmt: skip
+        said = (f"chose: {{}} (the fastest that fits, each candidate probed on this run's devices: "
+                f"{time.perf_counter() - started:.0f} s; kept in {path} for every relaunch of this run with "
+                "these options on this machine)")  # fmt: skip
         if master:
             made = time.strftime("%Y-%m-%d %H:%M")
             write_atomically(path, json.dumps({"for": made_for, "options": chosen, "made": made}))
     taken = taking(chosen)
     if master:
-        print(f"auto: {flags(taken, names)} ({how})", flush=True)
+        print(said.format(flags(taken, names)), flush=True)
     vars(args).update({name: getattr(taken, name) for name in names})
 
 
