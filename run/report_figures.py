@@ -37,7 +37,7 @@ SWEEP = {"size_bytes": BYTES, "busbw_GB/s": RATE, "time_us": (1e-6, 3.6e9, False
 SPAN = (0.0, 3600.0, False)
 SHARE = (0.0, 100.0, False)
 PROBE = {"layers": COUNT, "accumulation": COUNT, "others": SHARE, "seconds": SECONDS}
-COPY = {"depth": COUNT, "step_s": SECONDS, "first_micro_s": SPAN, "layer_forward_s": SPAN, "spread": SHARE}
+COPY = {"depth": COUNT, "step_s": SECONDS, "micro_s": SPAN, "layer_forward_s": SPAN, "spread": SHARE}
 SECTIONS = ("gpu", "cpu", "memory", "storage", "nccl", "links", "model", "nodes")
 
 

@@ -2,7 +2,7 @@
 itself, when it has two or fewer), built, wrapped, compiled and stepped exactly as training builds and steps
 it, on the run's own process group and devices, at its micro-batch, with its threads, on every rank at once.
 Every decoder layer is the same, so the step of L layers is the one-layer step plus L - 1 times what the
-second layer added; and every micro-step after the first costs what the first of two cost. What the copies
+second layer added; and every micro-step past the probe's costs what its middle one cost. What the copies
 measure holds everything a step does: kernels as compiled, recomputation, FSDP's copies and hooks, the
 collectives at their real sizes on the real links, the optimizer, the host's own time. Nothing is modelled
 but that linearity.
@@ -38,11 +38,12 @@ WARMUP_STEPS, TIMED_STEPS = 2, 3
 @dataclasses.dataclass
 class Copy:
     """One copy of the model, depth layers deep, stepped at accumulation micro-steps: median seconds of its
-    step, of its first micro-step (0 with one), of its decoder layers' forward, and its spread."""
+    step, of a micro-step between its first and its last (0 with fewer than three), of its decoder layers'
+    forward, and its spread."""
 
     depth: int
     step_s: float
-    first_micro_s: float
+    micro_s: float
     layer_forward_s: float
     spread: float
 
@@ -61,14 +62,14 @@ class Measured:
     def fitted(self, field, accumulation):
         """field (step_s or layer_forward_s) of the whole model at `accumulation` micro-steps."""
         one = self.copies[0]
-        value, first_micro = getattr(one, field), one.first_micro_s
+        value, micro = getattr(one, field), one.micro_s
         if len(self.copies) == 2:  # depths 1 and 2: each layer past the first adds what the second did
             two = self.copies[1]
             value += (self.layers - 1) * max(0.0, getattr(two, field) - getattr(one, field))
-            first_micro += (self.layers - 1) * max(0.0, two.first_micro_s - one.first_micro_s)
+            micro += (self.layers - 1) * max(0.0, two.micro_s - one.micro_s)
         if field == "layer_forward_s":
             return value / self.accumulation * accumulation
-        return value + (accumulation - self.accumulation) * first_micro
+        return value + (accumulation - self.accumulation) * micro
 
     @property
     def spread(self):
@@ -99,7 +100,7 @@ def between(start, end):
 
 
 def step_copy(args, model_config, mesh, device, accumulation):
-    """This rank's (step seconds, first micro-step seconds, layer forward seconds) of each timed step of one
+    """This rank's (step seconds, middle micro-step seconds, layer forward seconds) of each timed step of one
     copy, and (its CPU seconds, its host's busy seconds, wall seconds) over them; the copy is freed before it
     returns."""
     options = copy.copy(args)
@@ -125,9 +126,11 @@ def step_copy(args, model_config, mesh, device, accumulation):
         end = mark(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        first_micro = between(start, micro_starts[1]) if accumulation > 1 else 0.0
+        # a middle micro-step: not the first (which takes the gradients' memory anew), nor the last (which
+        # reduces them under DDP, then clips and steps)
+        micro = between(micro_starts[1], micro_starts[2]) if accumulation > 2 else 0.0
         if index >= WARMUP_STEPS:
-            timings.append((between(start, end), first_micro, layer_times.read()[0]))
+            timings.append((between(start, end), micro, layer_times.read()[0]))
     cpu, busy, wall = own_cpu_seconds(), host_busy_seconds(), time.perf_counter()
     usage = (cpu - usage[0], None if busy is None else busy - usage[1], wall - usage[2])
     hook.remove()
@@ -171,7 +174,7 @@ def others_share(everyone):
 def measure(args, model_config, mesh, device):
     """The probe, on every rank of the process group at once: a Measured, the same on every rank."""
     world_size = dist.get_world_size()
-    accumulation = min(2, args.global_batch_size // (args.batch_size * world_size))
+    accumulation = min(3, args.global_batch_size // (args.batch_size * world_size))
     layers = model_config.num_hidden_layers
     depths = (layers,) if layers <= 2 else (1, 2)
     started = time.perf_counter()
@@ -190,8 +193,8 @@ def measure(args, model_config, mesh, device):
         per_rank = [timings[index] for timings, _ in everyone]
         medians = [[statistics.median(column) for column in zip(*rank)] for rank in per_rank]
         spreads = [spread([step for step, _, _ in rank]) for rank in per_rank]
-        step_s, first_micro, layer_forward = (statistics.median(column) for column in zip(*medians))
-        copies.append(Copy(depth, step_s, first_micro, layer_forward, max(spreads)))
+        step_s, micro, layer_forward = (statistics.median(column) for column in zip(*medians))
+        copies.append(Copy(depth, step_s, micro, layer_forward, max(spreads)))
     others = others_share([rank_usage for _, rank_usage in everyone]) if device.type == "cpu" else 0.0
     return Measured(layers, accumulation, copies, others, time.perf_counter() - started)
 

@@ -60,9 +60,9 @@ class Prediction:
 def measured(measured_probe, accumulation, source, basis="measured"):
     """The Prediction of a probe (run/prediction/probe.py's Measured) at the run's accumulation."""
     step = measured_probe.fitted("step_s", accumulation)
-    micro = measured_probe.fitted("step_s", 2) - measured_probe.fitted("step_s", 1)
+    micro = measured_probe.fitted("step_s", 4) - measured_probe.fitted("step_s", 3)
     return Prediction(
-        step, step, step, basis, source, accumulation, micro if measured_probe.accumulation > 1 else 0.0,
+        step, step, step, basis, source, accumulation, micro if measured_probe.accumulation > 2 else 0.0,
         measured_probe.fitted("layer_forward_s", accumulation), measured_probe.spread, measured_probe.others,
         measured_probe.seconds,
     )  # fmt: skip
