@@ -17,10 +17,10 @@ import torch
 import train
 from common import options
 from common.errors import ConfigError, fail
-from run.export import export_checkpoint
+from run.checkpoint.export import export_checkpoint
+from run.checkpoint.safe_load import refused_weights
+from run.checkpoint.state_match import listed
 from run.options import refuse_remote_code
-from run.safe_load import refused_weights
-from run.state_match import listed
 
 # --help prints these options verbatim from this file; fmt: off keeps their comments aligned
 # fmt: off

@@ -37,8 +37,9 @@ import torch
 from common.errors import ConfigError, report_config_error
 from common.files import write_atomically
 from common.options import constants_of, parse_args, print_help
-from run import export, goodput, launch, options, prepare, run_log, stops
-from run.checkpoints import Checkpointer
+from run import goodput, launch, options, prepare, run_log, stops
+from run.checkpoint import export
+from run.checkpoint.checkpointer import Checkpointer
 from run.curves import plot_run
 from run.hub import use_cache_if_hub_unreachable
 from run.model.build import build_model, init_or_load, never_packed_sequences

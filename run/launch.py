@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from common.errors import ConfigError, exit_after_the_speaker, fail
 from common.files import UnsafeFile, read_json
 from common.node import available_memory_bytes, local_device
-from run.checkpoints import checkpoint_step
+from run.checkpoint.checkpointer import checkpoint_step
 from run.options import launched_world_size
 from run.watchdog import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
 

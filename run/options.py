@@ -36,7 +36,8 @@ MAX_RUN_NAME = 200
 # Far beyond the largest clusters (about 100,000 GPUs); what a plan's search and simulation can take.
 MAX_WORLD_SIZE = 1 << 20
 
-# A run folder's record of what it set aside (run/set_aside.py): a --resume_from it names may be gone, pruned
+# A run folder's record of what it set aside (run/checkpoint/set_aside.py): a --resume_from it names may be
+# gone, pruned
 REWINDS = "rewinds.json"
 
 

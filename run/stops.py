@@ -15,8 +15,8 @@ import time
 
 from common.errors import exit_after_the_speaker, fail
 from common.files import create_atomically
-from run.checkpoints import checkpoint_steps
-from run.set_aside import set_aside_unusable
+from run.checkpoint.checkpointer import checkpoint_steps
+from run.checkpoint.set_aside import set_aside_unusable
 
 STOPPED_BY_SIGNAL = 75  # exit status after a requested stop's checkpoint: the job requeues
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -199,10 +199,10 @@ class NonFiniteSteps:
 
 
 def set_aside_ruled_out(run_dir, first_bad):
-    """The checkpoints of run_dir a non-finite stop rules out, set aside as unusable (run/set_aside.py), so
-    that no relaunch resumes from them and no later stop names them: the one holding the update that broke
-    the weights (first_bad - 1), saved before anyone could know, and any later. Returns what it says of them,
-    ending '; ', or ''."""
+    """The checkpoints of run_dir a non-finite stop rules out, set aside as unusable (run/checkpoint/
+    set_aside.py), so that no relaunch resumes from them and no later stop names them: the one holding the
+    update that broke the weights (first_bad - 1), saved before anyone could know, and any later. Returns
+    what it says of them, ending '; ', or ''."""
     names = [f"step_{step}" for step in checkpoint_steps(run_dir) if step >= first_bad - 1]
     if not names:
         return ""

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from common.errors import fail
-from run import safe_load
+from run.checkpoint import safe_load
 from run.model.presets import build_meta_model, decoder_layers
 
 

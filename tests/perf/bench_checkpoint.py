@@ -21,7 +21,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import train  # noqa: E402
 from common.options import constants_of, parse_args  # noqa: E402
-from run import checkpoints  # noqa: E402
+from run.checkpoint import checkpointer as checkpoints  # noqa: E402
 
 
 def disk_write_gbps(folder, n_bytes, chunk=64 << 20):

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from common.errors import ConfigError, exit_after_the_speaker, fail
-from run.checkpoint_files import FULL, checkpoint_problem, read_json
-from run.checkpoints import save_error, save_errors, space_left
-from run.safe_load import UnsafeFile, load_full, load_sharded
+from run.checkpoint.checkpointer import save_error, save_errors, space_left
+from run.checkpoint.files import FULL, checkpoint_problem, read_json
+from run.checkpoint.safe_load import UnsafeFile, load_full, load_sharded
 
 
 def save_export(model, tokenizer, path):
