@@ -41,6 +41,9 @@ from run import goodput, launch, options, prepare, run_log, stops
 from run.checkpoint import export
 from run.checkpoint.checkpointer import Checkpointer
 from run.curves import plot_run
+from run.health.non_finite import NonFiniteSteps
+from run.health.stragglers import StragglerWatch
+from run.health.watchdog import Watchdog
 from run.hub import use_cache_if_hub_unreachable
 from run.model.build import build_model, init_or_load, never_packed_sequences
 from run.model.presets import (
@@ -56,8 +59,6 @@ from run.prediction.dry_run import report_dry_run
 from run.prediction.plan import has_auto, settle
 from run.profiler import StepProfiler
 from run.progress import Progress, print_start
-from run.stragglers import StragglerWatch
-from run.watchdog import Watchdog
 
 # The constants are a table: the formatter leaves its alignment alone.
 # fmt: off
@@ -230,7 +231,7 @@ def main(argv):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args, total_steps))
     progress = Progress(args, model_flops, device, total_steps, start_time, log_folder)
     stragglers = StragglerWatch(decoder_layers(model), args, device, log_folder, stop_requests)
-    non_finite = stops.NonFiniteSteps(args.max_bad_steps, run_dir, rank == 0)
+    non_finite = NonFiniteSteps(args.max_bad_steps, run_dir, rank == 0)
     if resume_path:
         with ledger.loading():  # a part of a recovery's cost (run/goodput.py)
             progress.resume(checkpointer.load(resume_path, model, optimizer, scheduler, batches), resume_path)

@@ -19,8 +19,8 @@ from common.errors import ConfigError, exit_after_the_speaker, fail
 from common.files import UnsafeFile, read_json
 from common.node import available_memory_bytes, local_device
 from run.checkpoint.checkpointer import checkpoint_step
+from run.health.watchdog import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
 from run.options import launched_world_size
-from run.watchdog import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
 
 
 def check_machine_holds(args, meta_model):

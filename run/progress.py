@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 
 from common.datasheet import datasheet
+from common.stragglers import describe_straggler
 from run.curves import duration, plot_curves
 from run.prediction.live import describe as describe_prediction
 from run.run_log import RunLog
-from run.stragglers import describe_straggler
 
 
 def describe_model(args, shape, model_config, meta_model):

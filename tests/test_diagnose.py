@@ -35,10 +35,11 @@ from conftest import (
 
 import train as train_script
 from common import stragglers
-from run import heartbeats, watchdog
+from run import heartbeats
+from run.health import watchdog
+from run.health.stragglers import Stragglers
 from run.prediction import live, step_time
 from run.prediction.step_time import Prediction
-from run.stragglers import Stragglers
 
 HOST = socket.gethostname()
 

@@ -224,8 +224,8 @@ class Checkpointer:
     def prune(self):
         """Keeps the newest keep_last checkpoints: the newest save and those before it, once a finite step
         after it, or the run's end, has shown its weights sound; a non-finite one sets it aside
-        (run/stops.py), and those before it are still there. A later step is no older checkpoint of this
-        line (one that could not be resumed), and is never removed here."""
+        (run/health/non_finite.py), and those before it are still there. A later step is no older checkpoint
+        of this line (one that could not be resumed), and is never removed here."""
         step, self.unpruned = self.unpruned, None
         if step is not None and self.args.keep_last:
             older = [old for old in checkpoint_steps(self.run_dir) if old < step]

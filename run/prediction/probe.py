@@ -23,12 +23,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from run.health.stragglers import RankTimes
 from run.launch import device_mesh
 from run.model.build import build_model, init_or_load
 from run.model.presets import decoder_layers
 from run.model.step import build_optimizer, train_step
 from run.stops import StopRequests
-from run.stragglers import RankTimes
 
 # Steps of each copy: the first compiles and allocates the optimizer's state, the second still finds the
 # allocator settling (measured on a CPU: 5-15% slower than the third); then the median of the timed ones.

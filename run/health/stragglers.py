@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from common.node import node_name
-from common.stragglers import slower_than_peers
+from common.stragglers import describe_straggler, slower_than_peers
 from common.suspects import suspects_folder, write_suspects
 
 STRAGGLER_LOG_WINDOWS = 3  # named in this many log windows in a row: a warning to exclude its node
@@ -107,13 +107,6 @@ class Stragglers:
             if streak == self.exclude_after:
                 self.exclude(node, f"straggler: {name} {streak} log windows in a row, {figures}")
         return {**medians, "stragglers": named}
-
-
-def describe_straggler(figures, medians):
-    """figures and medians: seconds per step by compute_s and data_wait_s."""
-    described = [f"{key[:-2].replace('_', ' ')} {value:.3f} s/step vs median {medians[key]:.3f}"
-                 for key, value in figures.items()]  # fmt: skip
-    return ", ".join(described)
 
 
 class StragglerWatch:
