@@ -37,10 +37,9 @@ import torch
 from common.errors import ConfigError, report_config_error
 from common.files import write_atomically
 from common.options import constants_of, parse_args, print_help
-from run import goodput, launch, options, prepare, run_log, stops
+from run import launch, options, prepare, stops
 from run.checkpoint import export
 from run.checkpoint.checkpointer import Checkpointer
-from run.curves import plot_run
 from run.health.non_finite import NonFiniteSteps
 from run.health.stragglers import StragglerWatch
 from run.health.watchdog import Watchdog
@@ -57,8 +56,10 @@ from run.model.step import build_optimizer, evaluate, lr_factor, train_step
 from run.prediction import live as live_prediction
 from run.prediction.dry_run import report_dry_run
 from run.prediction.plan import has_auto, settle
-from run.profiler import StepProfiler
-from run.progress import Progress, print_start
+from run.progress import goodput, run_log
+from run.progress.curves import plot_run
+from run.progress.profiler import StepProfiler
+from run.progress.progress import Progress, print_start
 
 # The constants are a table: the formatter leaves its alignment alone.
 # fmt: off
@@ -233,7 +234,7 @@ def main(argv):
     stragglers = StragglerWatch(decoder_layers(model), args, device, log_folder, stop_requests)
     non_finite = NonFiniteSteps(args.max_bad_steps, run_dir, rank == 0)
     if resume_path:
-        with ledger.loading():  # a part of a recovery's cost (run/goodput.py)
+        with ledger.loading():  # a part of a recovery's cost (run/progress/goodput.py)
             progress.resume(checkpointer.load(resume_path, model, optimizer, scheduler, batches), resume_path)
 
     model.train()

@@ -25,7 +25,7 @@ from pathlib import Path
 from common import suspects
 from common.files import read_json, write_atomically
 from common.node import node_name
-from run import goodput, slurm
+from run import slurm
 from run.benchmark_reports import (
     last_outcome,
     numbered,
@@ -36,6 +36,7 @@ from run.benchmark_reports import (
 )
 from run.heartbeats import HEARTBEAT_S
 from run.job_launch import Watch
+from run.progress import goodput
 from run.recovery import JobError, Recovery, Stopped, after_training, log, stopped
 
 # Each knob and what it takes: a whole number, at least this one, or str (text). slurm_submit.sh sets every

@@ -18,9 +18,10 @@ import benchmark
 import train as train_script
 from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, read_regular
-from run import benchmark_reports, launch, run_log
+from run import benchmark_reports, launch
 from run.checkpoint import set_aside
 from run.prediction import plan
+from run.progress import run_log
 
 
 def test_a_relaunch_at_another_global_batch_chooses_again_and_never_trains_without_micro_steps(

@@ -8,13 +8,13 @@ import time
 import types
 
 from common.datasheet import datasheet
-from run.curves import duration
 from run.model.presets import flops_per_token, hardware_flops_per_token
 from run.options import gpu_memory_gb, launched_world_size
 from run.prediction import plan, probe, roofline
 from run.prediction.simulate import BLIND_SPOTS, DDP_ESTIMATE, OFFLOAD_ESTIMATE, simulate
 from run.prediction.step_time import measured
-from run.progress import describe_model
+from run.progress.curves import duration
+from run.progress.progress import describe_model
 from run.report_figures import newest_report, read_report
 
 NOT_PREDICTED = "data loading; the first step's compilation"

@@ -56,16 +56,6 @@ class LivePrediction:
         return fields
 
 
-def describe(record):
-    """The log line's part: 'step 0.412 s = 1.31x predicted (compute +0.09 s)'."""
-    if "vs_predicted" not in record:
-        return ""
-    return (
-        f" | {record['vs_predicted']:.2f}x predicted ({record['largest_difference']} "
-        f"{record['largest_difference_s']:+.3g} s)"
-    )
-
-
 def predict_own_step(args, model_config, mesh, device, log_folder, holds_for, model_flops):
     """Before training, on every rank: this run's step measured on its own devices (a probe), or as an
     earlier launch of the run kept it (run/prediction/step_time.py). Rank 0 prints it, keeps a prediction
