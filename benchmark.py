@@ -50,6 +50,7 @@ from checks.verdicts import MIN_STORAGE_GBPS
 from checks.world import MODES, SECTIONS, World, start_world
 from common.errors import ConfigError, report_config_error
 from common.node import node_name
+from run.options import run_options
 from run.prediction.probe import benchmark_section
 
 
@@ -170,10 +171,8 @@ def train_run(train_args):
     """(options, model config, the values of the options that name the run) of train.py with these arguments.
     Options train.py refuses are refused here, before anything is measured: every rank checks them, one says
     why."""
-    import train  # the options and their checks are train.py's own
-
     try:
-        return train.run_options(shlex.split(train_args))
+        return run_options(shlex.split(train_args))
     except ConfigError as error:
         report_config_error(ConfigError(f"--train_args: {error}", error.per_node))
 

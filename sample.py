@@ -14,13 +14,13 @@ import tempfile
 
 import torch
 
-import train
 from common import options
 from common.errors import ConfigError, fail
+from common.model_folders import refuse_remote_code
 from run.checkpoint.export import export_checkpoint
 from run.checkpoint.safe_load import refused_weights
 from run.checkpoint.state_match import listed
-from run.options import refuse_remote_code
+from run.options import rebuild_model
 
 # --help prints these options verbatim from this file; fmt: off keeps their comments aligned
 # fmt: off
@@ -36,7 +36,7 @@ seed: int = 1337
 
 
 def parse_args(argv):
-    cfg = options.parse_args(argv, options.constants_of(sys.modules[__name__]))
+    cfg = options.parse_args(argv, options.declared(__file__))
     if not cfg.init_from:
         raise ConfigError("--init_from is required: an exported folder or a step_N checkpoint folder")
     exported = os.path.isfile(os.path.join(cfg.init_from, "config.json"))
@@ -167,9 +167,7 @@ def main(argv):
         else:
             with tempfile.TemporaryDirectory() as scratch:
                 checkpoint = os.path.normpath(cfg.init_from)
-                generate(
-                    cfg, export_checkpoint(checkpoint, train.rebuild_model, f"{scratch}/model", "--init_from")
-                )
+                generate(cfg, export_checkpoint(checkpoint, rebuild_model, f"{scratch}/model", "--init_from"))
     except ConfigError as error:
         fail(error)
     return 0

@@ -22,6 +22,7 @@ from conftest import ODD, SIMULATES, launch, make_odd, parse_options, validated
 
 import train as train_script
 from common.errors import ConfigError
+from run import options as train_options
 from run import report_figures
 from run.model import presets
 from run.prediction import plan, probe, roofline, simulate, step_time
@@ -236,7 +237,7 @@ def test_the_dry_run_says_its_basis_this_cpu_measured_a_reports_probe_or_a_roofl
     # The same report holding the benchmark's probe of this very configuration at this world size.
     cfg = parse_options(["--dry_run", "--gpu=cpu", "--world_size=2", *TINY_STEP])
     validated(cfg)
-    options = {name: getattr(cfg, name) for name in train_script.NAMES_THE_RUN}
+    options = {name: getattr(cfg, name) for name in train_options.names_the_run()}
     written(tmp_path, "named.yaml", {**cpu_report(host=socket.gethostname()), "model": probed(0.25, options)})
     code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=2", *TINY_STEP,
                          f"--benchmark_report={report}")  # fmt: skip

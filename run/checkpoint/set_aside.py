@@ -11,7 +11,8 @@ import sys
 import time
 
 from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
-from run.options import REWINDS
+
+REWINDS = "rewinds.json"  # the run folder's record: a --resume_from it names may be gone, set aside
 
 
 def recorded(run_dir):

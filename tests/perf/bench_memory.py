@@ -19,8 +19,7 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-import train as train_script  # noqa: E402
-from common.options import constants_of, parse_args  # noqa: E402
+from run import options  # noqa: E402
 from run.launch import device_mesh  # noqa: E402
 from run.model.build import build_model, init_or_load, never_packed_sequences  # noqa: E402
 from run.model.presets import build_model_config  # noqa: E402
@@ -35,8 +34,8 @@ BOUNDARIES = GLOO_OPS + OPTIMIZER
 
 
 def options_of(argv):
-    args = parse_args(argv, constants_of(train_script))
-    shape = train_script.complete_and_check(args)
+    args = options.parse(argv)
+    shape = options.complete_and_check(args)
     never_packed_sequences()
     return args, build_model_config(shape, None, args.vocab_size)
 
