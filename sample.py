@@ -71,6 +71,28 @@ def generate(cfg, folder):
     refuse_another_model(folder, report)
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
+    ids = prompt_ids(cfg, folder, model, tokenizer)
+    torch.manual_seed(cfg.seed)
+    sampling = (
+        dict(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k)
+        if cfg.temperature > 0
+        else dict(do_sample=False)
+    )
+    with torch.no_grad():
+        for _ in range(cfg.num_samples):
+            output = model.generate(
+                ids,
+                max_new_tokens=cfg.max_new_tokens,
+                use_cache=True,
+                pad_token_id=model.config.eos_token_id,
+                **sampling,
+            )[0]
+            print(tokenizer.decode(output) if tokenizer else " ".join(map(str, output.tolist())))
+            print("---------------", flush=True)
+
+
+def prompt_ids(cfg, folder, model, tokenizer):
+    """--prompt as the model's token ids, checked to leave room for --max_new_tokens in its positions."""
     if tokenizer is not None:
         ids = tokenizer(cfg.prompt, return_tensors="pt").input_ids
         if ids.numel() == 0:
@@ -99,23 +121,7 @@ def generate(cfg, folder):
             f"--max_new_tokens={cfg.max_new_tokens} after a prompt of {ids.shape[1]} tokens passes the "
             f"model's {positions} positions; use at most {max(0, positions - ids.shape[1])}"
         )
-    torch.manual_seed(cfg.seed)
-    sampling = (
-        dict(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k)
-        if cfg.temperature > 0
-        else dict(do_sample=False)
-    )
-    with torch.no_grad():
-        for _ in range(cfg.num_samples):
-            output = model.generate(
-                ids,
-                max_new_tokens=cfg.max_new_tokens,
-                use_cache=True,
-                pad_token_id=model.config.eos_token_id,
-                **sampling,
-            )[0]
-            print(tokenizer.decode(output) if tokenizer else " ".join(map(str, output.tolist())))
-            print("---------------", flush=True)
+    return ids
 
 
 def load_model(folder):

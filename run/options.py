@@ -159,6 +159,8 @@ def validate(args, shape, data_kind):
         if getattr(args, name) not in choices:
             raise ConfigError(f"--{name}={getattr(args, name)} is not one of: {', '.join(choices)}")
     check_ranges(args, shape)
+    check_shape(args, shape)
+    check_world(args)
     check_combinations(args, shape)
     if args.init_from:
         check_weights("--init_from", args.init_from)
@@ -218,7 +220,8 @@ def launched_world_size(args):
     return int(os.environ.get("WORLD_SIZE", 8 if args.dry_run else 1))
 
 
-def check_combinations(args, shape):
+def check_shape(args, shape):
+    """The model's shape holds together, and takes the sequences asked for."""
     if shape.n_embd % shape.n_head:
         raise ConfigError(f"--n_embd={shape.n_embd} is not divisible by --n_head={shape.n_head}")
     kv_heads = shape.arguments.get("num_key_value_heads") or shape.n_head
@@ -238,6 +241,10 @@ def check_combinations(args, shape):
             f"--seq_length={args.seq_length} exceeds the model's {shape.n_positions} positions; "
             f"lower --seq_length or raise --n_positions"
         )
+
+
+def check_world(args):
+    """The world size, and how the batch and the model's copies divide over it."""
     if args.world_size is not None and not args.dry_run:
         raise ConfigError("--world_size is for --dry_run; a training run takes its world size from torchrun")
     world_size = launched_world_size(args)
@@ -269,6 +276,10 @@ def check_combinations(args, shape):
             f"--sharding=hybrid over groups of one process shards nothing: use --sharding=ddp, or a "
             f"--shard_group_size of 2 or more that divides the world size ({world_size})"
         )
+
+
+def check_combinations(args, shape):
+    """Options that exclude each other, a checkpoint to resume that is not one, a trace past the run's end."""
     if not 0 <= args.min_lr <= args.lr:
         raise ConfigError(f"--min_lr={args.min_lr} must lie between 0 and --lr={args.lr}")
     if args.init_from and any(getattr(args, name) is not None for name in shape.names):
