@@ -30,7 +30,8 @@ from run.checkpoint.set_aside import recorded, set_aside, set_aside_as_unusable,
 # Options a checkpoint's optimizer and schedule carry values of, which a relaunch may change: the learning
 # rate and its schedule, weight decay, clipping and the run's length (where the cosine decay ends).
 RESUMED_OPTIONS = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_steps", "num_epochs")
-DECAYED_GROUP = 0  # train.py's build_optimizer puts the weights that decay in the first parameter group
+# run/model/step.py's build_optimizer puts the weights that decay in the first parameter group
+DECAYED_GROUP = 0
 
 
 def checkpoint_steps(run_dir):
