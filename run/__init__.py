@@ -1,2 +1,3 @@
-"""The machinery that operates a training run, one module per job. train.py imports these modules; none of
-them imports train.py: what they need of it (its model builder, its step) they are handed as arguments."""
+"""What a training run is made of, a package per concept: data/, model/, checkpoint/, progress/ (the run's log
+and goodput), health/ (when a run misbehaves), prediction/; and the run's options.py, launch.py and stops.py.
+train.py imports them; none imports train.py (run/options.py reads its options from its source)."""
