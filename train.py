@@ -186,11 +186,9 @@ def train(run, signals):
     model, optimizer, scheduler = trainer.model, trainer.optimizer, trainer.scheduler
     checkpointer, progress, ledger = trainer.checkpointer, trainer.progress, trainer.ledger
     stragglers, non_finite, log_windows = trainer.stragglers, trainer.non_finite, trainer.log_windows
+    profiler = trainer.profiler
     signals.start_training(run.rank)
     watchdog = Watchdog(args, run.folders.log_folder, run.rank, run.device, run.mesh, ledger.stalled)
-    profiler = StepProfiler(
-        args.profile_steps, run.folders.log_folder, run.device, run.rank == 0, total_steps
-    )
     timed_batches, first_step, stopped = stragglers.timed(run.batches), progress.step + 1, False
     try:
         for step in range(first_step, total_steps + 1):  # numbered as logged: the first step is 1
@@ -208,11 +206,7 @@ def train(run, signals):
                 checkpointer.prune()
             scheduler.step()
             val_loss = None
-            if (
-                run.validation_batches
-                and args.eval_every
-                and (step % args.eval_every == 0 or step == total_steps)
-            ):
+            if run.evaluates_after(step):
                 with watchdog.phase("evaluating"), ledger.spending("eval_s"):
                     val_loss = evaluate(model, run.validation_batches(), args.eval_batches, run.world_size)
             if log_windows.ends(step, val_loss):
@@ -255,6 +249,12 @@ class Run:
     epoch_steps: int | None  # None: a stream of unknown length
     total_steps: int
 
+    def evaluates_after(self, step):
+        """Whether the validation loss is measured after step: every eval_every steps and after the last,
+        where the data has a validation split."""
+        every = self.args.eval_every
+        return bool(self.validation_batches and every and (step % every == 0 or step == self.total_steps))
+
 
 def start(args, shape, tokenizer, model_config, meta_model, folders):
     """The launch: the process group, the choice of the auto options (decided once for the run, and kept in
@@ -290,52 +290,49 @@ class Trainer:
     stragglers: StragglerWatch
     non_finite: NonFiniteSteps
     log_windows: LogWindows
+    profiler: StepProfiler
 
 
 def ready(run, stop_requests):
     """The model built, and resumed from the run's newest usable checkpoint, with what watches its steps; None
     when that checkpoint is the run's last step, its model exported."""
-    args, master, folders = run.args, run.rank == 0, run.folders
+    args, master, folders, total_steps = run.args, run.rank == 0, run.folders, run.total_steps
     checkpointer = Checkpointer(args, run.shape, run.rank, run.world_size, count_parameters(run.meta_model))
     resume_path = checkpointer.choose(args.resume_from, run.meta_model)  # the newest usable checkpoint
-    if launch.already_finished(args, resume_path, run.total_steps, folders.run_dir, master):
+    if launch.already_finished(args, resume_path, total_steps, folders.run_dir, master):
         return None
     benchmark_s = goodput.benchmark_seconds(master)  # the job's benchmarks, before this launch
     ledger = goodput.Ledger(folders.log_folder, goodput.launch_start(), benchmark_s, master)
     ledger.launch_started()
     if master:
         run_log.write_run_folder(args, folders.log_folder)
-        print_start(args, run.shape, run.model_config, run.meta_model, run.device, run.total_steps)
-        describe_epochs(args, run.total_steps, run.batches, run.epoch_steps)
+        print_start(args, run.shape, run.model_config, run.meta_model, run.device, total_steps)
+        describe_epochs(args, total_steps, run.batches, run.epoch_steps)
     model_flops = flops_per_token(run.meta_model, run.model_config, args.seq_length)
     live = own_prediction(run, model_flops) if args.predict else None  # before the model takes the memory
     model = init_or_load(build_model(run.model_config, args, run.device, run.mesh), run.model_config, args)
     optimizer = build_optimizer(model, args, fused=run.device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, args, run.total_steps)
-    )
-    progress = Progress(args, model_flops, run.device, run.total_steps, run.started, folders.log_folder)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args, total_steps))
+    progress = Progress(args, model_flops, run.device, total_steps, run.started, folders.log_folder)
     stragglers = StragglerWatch(decoder_layers(model), args, run.device, folders.log_folder, stop_requests)
     non_finite = NonFiniteSteps(args.max_bad_steps, folders.run_dir, master)
     if resume_path:
         with ledger.loading():  # a part of a recovery's cost (run/progress/goodput.py)
-            progress.resume(
-                checkpointer.load(resume_path, model, optimizer, scheduler, run.batches), resume_path
-            )
+            state = checkpointer.load(resume_path, model, optimizer, scheduler, run.batches)
+            progress.resume(state, resume_path)
     model.train()
-    log_windows = LogWindows(args, run.total_steps, progress, stragglers, live, ledger, checkpointer.schedule)
-    return Trainer(
-        model, optimizer, scheduler, checkpointer, progress, ledger, stragglers, non_finite, log_windows
-    )
+    log_windows = LogWindows(args, total_steps, progress, stragglers, live, ledger, checkpointer.schedule)
+    profiler = StepProfiler(args.profile_steps, folders.log_folder, run.device, master, total_steps)
+    return Trainer(model, optimizer, scheduler, checkpointer, progress, ledger, stragglers, non_finite,
+                   log_windows, profiler)  # fmt: skip
 
 
 def own_prediction(run, model_flops):
     """Before training, on every rank: this run's step measured on its own devices, or as an earlier launch
     kept it (run/prediction/live.py). Rank 0's LivePrediction; None on the other ranks."""
     local = int(os.environ["LOCAL_WORLD_SIZE"])
-    holds_for = live_prediction.holds_for(
-        run.args, options.names_the_run(), run.device, run.world_size, local
-    )
+    naming = options.names_the_run()
+    holds_for = live_prediction.holds_for(run.args, naming, run.device, run.world_size, local)
     return live_prediction.predict_own_step(
         run.args, run.model_config, run.mesh, run.device, run.folders.log_folder, holds_for, model_flops
     )
