@@ -41,7 +41,7 @@ from run import export, goodput, launch, options, prepare, run_log, stops
 from run.checkpoints import Checkpointer
 from run.curves import plot_run
 from run.hub import use_cache_if_hub_unreachable
-from run.model.build import build_model, init_or_load, never_packed_sequences
+from run.model.build import build_model, initialise, never_packed_sequences
 from run.model.presets import (
     build_meta_model,
     build_model_config,
@@ -217,14 +217,15 @@ def main(argv):
         describe_epochs(args, total_steps, batches, epoch_steps)
 
     model_flops = flops_per_token(meta_model, model_config, args.seq_length)
-    live = None  # measured before the model takes the device's memory
+    model = build_model(model_config, args, device, mesh)
+    live = None  # the model stepped on dummy batches before its weights are set
     if args.predict:
         local = int(os.environ["LOCAL_WORLD_SIZE"])
         holds_for = live_prediction.holds_for(args, NAMES_THE_RUN, device, world_size, local)
         live = live_prediction.predict_own_step(
-            args, model_config, mesh, device, log_folder, holds_for, model_flops
+            args, model, model_config, device, log_folder, holds_for, model_flops
         )
-    model = init_or_load(build_model(model_config, args, device, mesh), model_config, args)
+    model = initialise(model, model_config, args)
     optimizer = build_optimizer(model, args, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args, total_steps))
     progress = Progress(args, model_flops, device, total_steps, start_time, log_folder)

@@ -83,7 +83,7 @@ def dry_run_predictor(args, world_size):
         accumulation = options.global_batch_size // (options.batch_size * world_size)
         if section.get("options") == same and section.get("world_size") == world_size:
             source = f"benchmark report {path}'s timings of this configuration on its {world_size} ranks"
-            return measured(probe.Measured.from_dict(section["measured"]), accumulation, source, "report")
+            return measured(probe.Measured(**section["measured"]), accumulation, source, "report")
         if options.gpu == "cpu" and not args.benchmark_report:
             found = probe.on_this_cpu(options, model_config, world_size)
             processes = f"{world_size} processes" if world_size > 1 else "one process"

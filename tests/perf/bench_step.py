@@ -97,7 +97,7 @@ def train_path(args, model_config, device, mesh):
     """train.py's step over its own model: returns one step as a function."""
     train.never_packed_sequences()
     model = train.build_model(model_config, args, device, mesh)
-    model = train.init_or_load(model, model_config, args)
+    model = train.initialise(model, model_config, args)
     optimizer = train.build_optimizer(model, args, fused=device.type == "cuda")
     stop_requests = StopRequests()
 

@@ -24,7 +24,8 @@ MODELS = {
     "gpt2": ["--model=gpt2"],
 }
 # A prediction line: its step (or a roofline's range) and its basis in brackets
-PREDICTED = re.compile(r"^predicted step: ([\d.e+-]+)(?:-([\d.e+-]+))? s.*", re.M)
+NUMBER = r"[\d.]+(?:e[+-]?\d+)?"
+PREDICTED = re.compile(rf"^predicted step: ({NUMBER})(?:-({NUMBER}))? s.*", re.M)
 REFUSED = re.compile(r"^not predicted: (.*)$", re.M)
 
 
