@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 import yaml
-from conftest import ODD, SIMULATES, launch, make_odd, parse_options, validated
+from conftest import ODD, SIMULATES, TINY, launch, make_odd, parse_options, read_metrics, validated
 
 import train as train_script
 from common.errors import ConfigError
@@ -436,3 +436,15 @@ def test_the_benchmark_probes_a_configuration_on_its_ranks_and_the_dry_run_predi
         code == 0
         and f"(from benchmark report {report}'s timings of this configuration on its 2 ranks)" in out
     )
+
+
+def test_a_run_that_probes_its_step_trains_exactly_as_one_that_does_not(tmp_path, train):
+    """The probe steps the run's own model before training sets its weights, on batches and with an optimizer
+    of its own, its random numbers put back: the losses after it are those of a run without it, bit for bit.
+    Two processes of ddp: a wrapper built before the weights are set."""
+    runs = {}
+    for probed in (True, False):
+        folder = tmp_path / str(probed)
+        train(folder, *TINY, "--sharding=ddp", "--max_steps=4", f"--predict={probed}", "--run_name=r")
+        runs[probed] = [record["loss"] for record in read_metrics(folder)]
+    assert len(runs[True]) == 4 and runs[True] == runs[False], runs
