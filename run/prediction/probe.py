@@ -1,8 +1,8 @@
 """The step measured where it will run: the run's own model, built, wrapped and compiled as training builds
 it, stepped on dummy batches with an optimizer of its own before training sets its weights, on the run's
 process group and devices, at its micro-batch, with its threads, every rank at once. A step of the run's
-many micro-steps is its probed step of at most three plus, for each micro-step more, what the middle one of
-those three cost (not the first, which takes the gradients' memory anew, nor the last, which reduces them
+many micro-steps is its probed step of at most five plus, for each micro-step more, what the middle ones of
+those five cost on average (not the first, which takes the gradients' memory anew, nor the last, which reduces them
 under DDP and steps). Nothing else is modelled: kernels as compiled, recomputation, FSDP's copies and hooks,
 the collectives at their real sizes on the real links, the optimizer and the host's own time are in the
 step.
@@ -30,15 +30,18 @@ from run.model.step import build_optimizer, train_step
 from run.stops import StopRequests
 from run.stragglers import RankTimes
 
-# The first step compiles and takes the optimizer's state, the second still finds the allocator settling
-# (measured on a CPU: 5-15% slower than the third); then the median of the timed ones.
-WARMUP_STEPS, TIMED_STEPS = 2, 3
+# A step of one micro-step first, which compiles and takes the optimizer's state; then two timed steps of up to
+# MICRO_STEPS micro-steps, and a third where those two lay more than STEADY apart on any rank (the median of
+# three then counts). A micro-step is the mean of those between the first and the last of a step (the first
+# takes the gradients' memory anew, the last runs into the optimizer). Four probes of the tiny model on one quiet
+# 2-core machine: 8.3-9.9 s a step from one micro-step, 8.8-9.7 s from three; its training steps took 8.6-9.3 s.
+MICRO_STEPS, STEADY = 5, 0.05
 
 
 @dataclasses.dataclass
 class Measured:
     """A probe's figures, each the median rank's median over the timed steps: the step at `accumulation`
-    micro-steps, its middle micro-step (0 with fewer than three), its decoder layers' forward; how far apart
+    micro-steps, its middle micro-steps' mean (0 with fewer than three), its decoder layers' forward; how far apart
     the timed steps lay (spread, the worst rank's); the share of the busiest host's cores other work took
     while they ran (others, CPU only); the probe's wall time."""
 
@@ -74,7 +77,7 @@ def measure(args, model, model_config, device):
     """Steps model (built for training by run/model/build.py; its weights are set here, and must be set afresh
     after) on every rank of the process group at once: a Measured, the same on every rank."""
     world_size = dist.get_world_size()
-    accumulation = min(3, args.global_batch_size // (args.batch_size * world_size))
+    accumulation = min(MICRO_STEPS, args.global_batch_size // (args.batch_size * world_size))
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         inner = getattr(model, "module", model)
@@ -91,7 +94,7 @@ def measure(args, model, model_config, device):
 
 
 def timed_steps(args, model, model_config, device, accumulation):
-    """This rank's (step seconds, middle micro-step seconds, layer forward seconds) of each timed step, and
+    """This rank's (step seconds, middle micro-steps' mean seconds, layer forward seconds) of each timed step, and
     (its CPU seconds, its host's busy seconds, wall seconds) over them. The optimizer and the gradients are
     freed before it returns."""
     optimizer = build_optimizer(model, args, fused=device.type == "cuda")
@@ -103,10 +106,10 @@ def timed_steps(args, model, model_config, device, accumulation):
     layer_times = RankTimes(decoder_layers(model), device, args.compile)
     micro_starts = []
     hook = model.register_forward_pre_hook(lambda *_: micro_starts.append(mark(device)))
-    timings, usage = [], None
-    for index in range(WARMUP_STEPS + TIMED_STEPS):
-        if index == WARMUP_STEPS:  # compiling (its workers' time too) is over: others' use is measured now
-            usage = (own_cpu_seconds(), host_busy_seconds(), time.perf_counter())
+    train_step(model, batches, optimizer, 1, args.grad_clip, StopRequests())
+    usage = (own_cpu_seconds(), host_busy_seconds(), time.perf_counter())  # compiling's workers are done
+
+    def timed():
         micro_starts.clear()
         layer_times.read()
         start = mark(device)
@@ -114,13 +117,19 @@ def timed_steps(args, model, model_config, device, accumulation):
         end = mark(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        micro = between(micro_starts[1], micro_starts[2]) if accumulation > 2 else 0.0
-        if index >= WARMUP_STEPS:
-            timings.append((between(start, end), micro, layer_times.read()[0]))
+        middle = accumulation - 2
+        micro = between(micro_starts[1], micro_starts[-1]) / middle if middle > 0 else 0.0
+        return between(start, end), micro, layer_times.read()[0]
+
+    timings = [timed(), timed()]
+    apart = torch.tensor(float(spread_of([step for step, _, _ in timings]) > STEADY), device=device)
+    dist.all_reduce(apart, op=dist.ReduceOp.MAX)  # every rank takes the third step, or none
+    if apart.item():
+        timings.append(timed())
     cpu, busy, wall = own_cpu_seconds(), host_busy_seconds(), time.perf_counter()
     hook.remove()
     layer_times.remove()
-    del optimizer
+    optimizer = None  # its state freed before training's is taken
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
