@@ -43,7 +43,7 @@ from run.data.source import load_tokenizer, parse_source, prepare_data
 from run.health.non_finite import NonFiniteSteps
 from run.health.stragglers import StragglerWatch
 from run.health.watchdog import Watchdog
-from run.model.build import build_model, init_or_load, never_packed_sequences
+from run.model.build import build_model, initialise, never_packed_sequences
 from run.model.presets import build_meta_model, build_model_config, decoder_layers, flops_per_token
 from run.model.step import build_optimizer, evaluate, lr_factor, train_step
 from run.prediction import live as live_prediction
@@ -309,8 +309,9 @@ def ready(run, stop_requests):
         print_start(args, run.shape, run.model_config, run.meta_model, run.device, total_steps)
         describe_epochs(args, total_steps, run.batches, run.epoch_steps)
     model_flops = flops_per_token(run.meta_model, run.model_config, args.seq_length)
-    live = own_prediction(run, model_flops) if args.predict else None  # before the model takes the memory
-    model = init_or_load(build_model(run.model_config, args, run.device, run.mesh), run.model_config, args)
+    model = build_model(run.model_config, args, run.device, run.mesh)
+    live = own_prediction(run, model, model_flops) if args.predict else None  # stepped before weights are set
+    model = initialise(model, run.model_config, args)
     optimizer = build_optimizer(model, args, fused=run.device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, args, total_steps))
     progress = Progress(args, model_flops, run.device, total_steps, run.started, folders.log_folder)
@@ -327,14 +328,15 @@ def ready(run, stop_requests):
                    log_windows, profiler)  # fmt: skip
 
 
-def own_prediction(run, model_flops):
-    """Before training, on every rank: this run's step measured on its own devices, or as an earlier launch
-    kept it (run/prediction/live.py). Rank 0's LivePrediction; None on the other ranks."""
+def own_prediction(run, model, model_flops):
+    """Before training sets model's weights, on every rank: this run's step measured by stepping model on
+    dummy batches, or as an earlier launch kept it (run/prediction/live.py). Rank 0's LivePrediction; None on
+    the other ranks."""
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     naming = options.names_the_run()
     holds_for = live_prediction.holds_for(run.args, naming, run.device, run.world_size, local)
     return live_prediction.predict_own_step(
-        run.args, run.model_config, run.mesh, run.device, run.folders.log_folder, holds_for, model_flops
+        run.args, model, run.model_config, run.device, run.folders.log_folder, holds_for, model_flops
     )
 
 

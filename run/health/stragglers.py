@@ -29,9 +29,13 @@ class RankTimes:
         # The hooks run inside a compiled block's call: traced into its graph, they would time the tracing
         # once. Only imported when compiling: torch.compiler imports dynamo, a second of every start.
         outside_graph = torch.compiler.disable if compiled else lambda hook: hook
-        for layer in layers:
-            layer.register_forward_pre_hook(outside_graph(self.start))
-            layer.register_forward_hook(outside_graph(self.stop))
+        self.hooks = [hook for layer in layers for hook in (
+            layer.register_forward_pre_hook(outside_graph(self.start)),
+            layer.register_forward_hook(outside_graph(self.stop)))]  # fmt: skip
+
+    def remove(self):
+        for hook in self.hooks:
+            hook.remove()
 
     def start(self, module, args):
         if torch.is_grad_enabled():  # training, not evaluation

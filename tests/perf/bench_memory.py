@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from run import options  # noqa: E402
 from run.launch import device_mesh  # noqa: E402
-from run.model.build import build_model, init_or_load, never_packed_sequences  # noqa: E402
+from run.model.build import build_model, initialise, never_packed_sequences  # noqa: E402
 from run.model.presets import build_model_config  # noqa: E402
 from run.model.step import build_optimizer, train_step  # noqa: E402
 from run.prediction.simulate import simulate_step  # noqa: E402
@@ -48,7 +48,7 @@ def real_peak(rank, world_size, store, argv, results):
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     profiler.start()
     mesh = device_mesh(args, "cpu", world_size, world_size)
-    model = init_or_load(build_model(config, args, torch.device("cpu"), mesh), config, args)
+    model = initialise(build_model(config, args, torch.device("cpu"), mesh), config, args)
     optimizer = build_optimizer(model, args, fused=False)
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_length))
     accumulation = args.global_batch_size // (args.batch_size * world_size)

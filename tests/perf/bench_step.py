@@ -33,7 +33,7 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 from run import options  # noqa: E402
-from run.model.build import build_model, init_or_load, never_packed_sequences  # noqa: E402
+from run.model.build import build_model, initialise, never_packed_sequences  # noqa: E402
 from run.model.presets import (  # noqa: E402
     build_meta_model,
     build_model_config,
@@ -105,7 +105,7 @@ def train_path(args, model_config, device, mesh):
     """train.py's step over its own model: returns one step as a function."""
     never_packed_sequences()
     model = build_model(model_config, args, device, mesh)
-    model = init_or_load(model, model_config, args)
+    model = initialise(model, model_config, args)
     optimizer = build_optimizer(model, args, fused=device.type == "cuda")
     stop_requests = StopRequests()
 
