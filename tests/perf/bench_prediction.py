@@ -136,7 +136,8 @@ def main():
         report = f"{row['report']:+.1%}" if row.get("report") is not None else row.get("report_line")
         low, high = row.get("roofline_range") or (float("nan"),) * 2
         print(f"{index:>3} {GRID[index][0]:<18} measured {row['measured_s']:.4g} s (runs {row['spread']:.1%} "
-              f"apart, a run's windows up to {row['windows_apart']:.0%}) | measured basis {errors} | report {report} | roofline {low:.3g}-{high:.3g} s, "
+              f"apart, a run's windows up to {row['windows_apart']:.0%}) | measured basis {errors} | "
+              f"report {report} | roofline {low:.3g}-{high:.3g} s, "
               f"measured {row['measured_s'] / low:.2f}x its low end | load {row['load']:.1f}",
               flush=True)  # fmt: skip
     for basis in ("measured", "report", "roofline"):
