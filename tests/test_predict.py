@@ -214,9 +214,11 @@ def run_main(capsys, *args):
 def test_the_dry_run_says_its_basis_this_cpu_measured_a_reports_probe_or_a_roofline(tmp_path, capsys):
     code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=1", *TINY_STEP, "--max_steps=10",
                          f"--log_dir={tmp_path}")  # fmt: skip
-    assert code == 0 and re.search(r"^predicted step: [\d.e-]+ s \(measured on this machine's CPU, one "
-                                   r"process\)$", out, re.M), out  # fmt: skip
-    assert re.search(r"^predicted: [\d,]+ tokens/s per device$", out, re.M), out
+    # A busy machine (CI's) may vary the probe's steps by more than half: then it says so instead.
+    if not re.search(r"^not predicted: this machine's timings varied by \d+%", out, re.M):
+        assert code == 0 and re.search(r"^predicted step: [\d.e-]+ s \(measured on this machine's CPU, one "
+                                       r"process\)$", out, re.M), out  # fmt: skip
+        assert re.search(r"^predicted: [\d,]+ tokens/s per device$", out, re.M), out
     # A report of this CPU without this configuration's probe: its figures give a roofline, said so.
     report = written(tmp_path, "named.yaml", cpu_report(host=socket.gethostname()))
     code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=2", *TINY_STEP,
