@@ -50,8 +50,8 @@ VENV=${VENV:-.venv}
 # sbatch runs a spool copy of this file, so in a job the repository is the working directory (where sbatch
 # ran, or its --chdir)
 [ -n "${SLURM_JOB_ID:-}" ] || cd "$(dirname "${BASH_SOURCE[0]}")"
-if [ ! -f run/job.py ]; then
-  echo "error: no run/job.py in $PWD: submit from the repository root (cd <repo> && sbatch slurm_submit.sh)" >&2
+if [ ! -f run/job/__main__.py ]; then
+  echo "error: no run/job/ in $PWD: submit from the repository root (cd <repo> && sbatch slurm_submit.sh)" >&2
   exit 1
 fi
 py=$(realpath -m "$VENV")/bin/python   # VENV may be relative to the repository, like setup.sh takes it

@@ -35,7 +35,8 @@ from conftest import (
 
 import train as train_script
 from common import stragglers
-from run import heartbeats, watchdog
+from run import watchdog
+from run.job import heartbeats
 from run.prediction import live, step_time
 from run.prediction.step_time import Prediction
 from run.stragglers import Stragglers

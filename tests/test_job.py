@@ -21,8 +21,9 @@ import pytest
 from conftest import ODD, REPO, TINY, fill_disk, launch, make_odd
 
 from common import suspects
-from run import benchmark_reports, job, job_launch, slurm
-from run.recovery import Stopped, after_training
+from run.job import benchmark_reports, job, slurm
+from run.job.launch import HANG_GRACE_S, Watch
+from run.job.recovery import Stopped, after_training
 
 HOSTS = ["n1", "n2", "n3"]
 
@@ -488,8 +489,8 @@ def test_a_hang_blamed_on_a_node_ends_the_step_and_the_node_is_left_out(tmp_path
 
 def test_a_recent_hang_is_left_to_the_watchdogs_of_the_other_ranks(tmp_path):
     blame(tmp_path, "hang_rank1", ["n2"])
-    assert not suspects.hang_blamed(suspects.suspects_folder(tmp_path), job_launch.HANG_GRACE_S)
-    assert not suspects.hang_blamed(tmp_path / "nowhere", job_launch.HANG_GRACE_S)
+    assert not suspects.hang_blamed(suspects.suspects_folder(tmp_path), HANG_GRACE_S)
+    assert not suspects.hang_blamed(tmp_path / "nowhere", HANG_GRACE_S)
 
 
 def beat(run_folder, process, rank, node, steps, age=0.0):
@@ -1069,7 +1070,7 @@ def test_a_failure_of_the_job_itself_ends_the_launch_it_watches(tmp_path):
         raise RuntimeError("the job's own bug")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(job_launch.Watch, "look", broken)
+        patch.setattr(Watch, "look", broken)
         with pytest.raises(RuntimeError, match="the job's own bug"):
             run_job(scheduler, SKIP_BENCHMARK=1)
     assert len(scheduler.ended) == 1 and scheduler.ended[0].returncode == 130

@@ -18,7 +18,8 @@ import benchmark
 import train as train_script
 from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, read_regular
-from run import benchmark_reports, launch, run_log, set_aside
+from run import launch, run_log, set_aside
+from run.job import benchmark_reports
 from run.prediction import plan
 
 

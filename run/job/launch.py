@@ -12,7 +12,7 @@ import threading
 import time
 
 from common import suspects
-from run.heartbeats import HEARTBEAT_S, LaunchBeats
+from run.job.heartbeats import HEARTBEAT_S, LaunchBeats
 
 HANG_GRACE_S = 15  # a watchdog blamed a node this long ago and the launch goes on: that node froze
 

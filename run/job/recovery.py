@@ -18,8 +18,9 @@ import sys
 import time
 
 from common import suspects
-from run import goodput, slurm
-from run.job_launch import Failure
+from run import goodput
+from run.job import slurm
+from run.job.launch import Failure
 
 STOPPED_BY_SIGNAL = 75  # train.py's status after a stop it checkpointed for (run/stops.py)
 

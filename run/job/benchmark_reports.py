@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from common.files import UnsafeFile, read_json
-from run import slurm
+from run.job import slurm
 
 
 def split_report(bench_args):

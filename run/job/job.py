@@ -25,8 +25,9 @@ from pathlib import Path
 from common import suspects
 from common.files import read_json, write_atomically
 from common.node import node_name
-from run import goodput, slurm
-from run.benchmark_reports import (
+from run import goodput
+from run.job import slurm
+from run.job.benchmark_reports import (
     last_outcome,
     numbered,
     outcome_path,
@@ -34,9 +35,9 @@ from run.benchmark_reports import (
     report_names,
     split_report,
 )
-from run.heartbeats import HEARTBEAT_S
-from run.job_launch import Watch
-from run.recovery import JobError, Recovery, Stopped, after_training, log, stopped
+from run.job.heartbeats import HEARTBEAT_S
+from run.job.launch import Watch
+from run.job.recovery import JobError, Recovery, Stopped, after_training, log, stopped
 
 # Each knob and what it takes: a whole number, at least this one, or str (text). slurm_submit.sh sets every
 # one, with its default and what it does: the job has no default of its own.
@@ -480,7 +481,3 @@ def main(argv):
     except JobError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.status
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
