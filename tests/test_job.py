@@ -539,6 +539,7 @@ def test_a_crash_on_healthy_nodes_restarts_in_place_until_max_restarts(tmp_path,
     assert run_job(scheduler, SKIP_BENCHMARK=1, MAX_RESTARTS=2) == [1]
     assert launched(scheduler) == [(0, "train.py", "n1 n2 n3")] * 3 and scheduler.requeues == 0
     out, err = capsys.readouterr()
+    assert "SKIP_BENCHMARK=1: skipping the benchmarks" in out
     assert (
         "restarting in place on n1 n2 n3 (no check (SKIP_BENCHMARK=1)): restart 2 of at most MAX_RESTARTS=2"
         in out
@@ -891,6 +892,12 @@ def test_bad_knobs_are_refused_in_one_line(tmp_path):
             read_knobs({**script_knobs(), name: value})
         assert str(refused.value) == f"{name}={value}: give a whole number, {least} or more"
         assert refused.value.status == 2
+    # a switch is 0 or 1: SKIP_BENCHMARK=2 was taken, and the job's lines said SKIP_BENCHMARK=1
+    for name, value in (("SKIP_BENCHMARK", "2"), ("REQUIRE_GPUS", "yes"), ("BENCHMARK_ONLY", "")):
+        with pytest.raises(job.JobError) as refused:
+            read_knobs({**script_knobs(), name: value})
+        assert str(refused.value) == f"{name}={value}: give 0 (off) or 1 (on)"
+        assert refused.value.status == 2
     # the job started without slurm_submit.sh, which alone gives the defaults
     missing = {name: value for name, value in script_knobs().items() if name != "MAX_REQUEUES"}
     with pytest.raises(
@@ -904,6 +911,25 @@ def test_bad_knobs_are_refused_in_one_line(tmp_path):
         ) as refused:
             start.run()
         assert refused.value.status == 2
+
+
+def test_each_knob_the_scripts_set_is_one_the_job_takes_with_its_default_stated_once():
+    """slurm_submit.sh states each knob's default, on its export line; the job says what each one takes
+    (KNOBS), and docs/SLURM.md lists the defaults: a knob added, dropped or changed in one of them alone fails
+    here, as does a default, or a value benchmark_only.sh sets over slurm_submit.sh's, that the job refuses
+    or reads as another."""
+    defaults = script_knobs()
+    assert list(defaults) == list(KNOBS)  # in the order the job's first lines say them
+    handover = (REPO / "benchmark_only.sh").read_text().splitlines()[-1]
+    assert handover.endswith('exec bash slurm_submit.sh "$@"'), handover
+    benchmark_only = {**defaults, **dict(re.findall(r"\b([A-Z_]+)=(\S*)", handover))}
+    assert list(benchmark_only) == list(KNOBS) and benchmark_only["BENCHMARK_ONLY"] == "1", handover
+    for environ in (defaults, benchmark_only):
+        assert {name: str(value) for name, value in vars(read_knobs(environ)).items()} == environ
+    docs = (REPO / "docs" / "SLURM.md").read_text()
+    section = docs[docs.index("## Knobs") : docs.index("## How a job runs")]
+    documented = dict(re.findall(r"^\| `([A-Z_]+)` \| *([^|]*?) *\|", section, re.M))
+    assert {name: documented.get(name) for name in KNOBS} == defaults
 
 
 def test_the_job_runs_on_a_python_without_torch():
