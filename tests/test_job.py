@@ -57,7 +57,7 @@ class FakeLaunch:
 
 
 class FakeSlurm:
-    """run/slurm.py's Slurm, with SLURM's side kept in memory. phases(script, nodes, launch) gives each
+    """run/job/slurm.py's Slurm, with SLURM's side kept in memory. phases(script, nodes, launch) gives each
     launch's exit status on each poll (None: still running). The usable nodes of the job's partition are
     partition, those of them another job holds busy: by default the job's and a fourth, busy, so that a
     requeued start is given those of the job's it did not leave out. train.py's options fit a world of W
@@ -505,8 +505,8 @@ def test_a_recent_hang_is_left_to_the_watchdogs_of_the_other_ranks(tmp_path):
 
 
 def beat(run_folder, process, rank, node, steps, age=0.0):
-    """The heartbeat of a rank of the launch process, as its watchdog thread writes it (run/heartbeats.py),
-    age seconds old."""
+    """The heartbeat of a rank of the launch process, as its watchdog thread writes it
+    (run/job/heartbeats.py), age seconds old."""
     folder = os.path.join(run_folder, "heartbeats")
     os.makedirs(folder, exist_ok=True)
     beat = {"token": str(id(process)), "node": node, "rank": rank, "steps": steps, "time": time.time() - age}
