@@ -50,6 +50,7 @@ from checks.verdicts import MIN_STORAGE_GBPS
 from checks.world import MODES, SECTIONS, World, start_world
 from common.errors import ConfigError, report_config_error
 from common.node import node_name
+from run.options import run_options
 from run.prediction.probe import benchmark_section
 
 
@@ -58,38 +59,8 @@ def argument_parser():
         description=__doc__.split("\n\n")[0],
         epilog=f"Sections: {', '.join(SECTIONS)}. Figures explained in docs/BENCHMARK_FEATURES.md.",
     )
-    parser.add_argument(
-        "--only", default=",".join(SECTIONS), help="comma-separated sections to run (default: all)"
-    )
-    parser.add_argument("--skip", default="", help="comma-separated sections not to run")
-    parser.add_argument(
-        "--quick", action="store_true", help="small sizes, few repeats, 1 s GPU loops: seconds on CPU"
-    )
-    parser.add_argument("--storage_path", default="checkpoints", help="folder to test (default: checkpoints)")
-    parser.add_argument(
-        "--report_dir",
-        default="logs",
-        help="where the YAML reports go, as benchmark_<job id>.yaml, never replacing one (default: logs)",
-    )
-    parser.add_argument(
-        "--report",
-        help="write the cluster report exactly here (a new .yaml file), the node reports beside it",
-    )
-    parser.add_argument(
-        "--suspects_folder",
-        help="write the nodes that fail a check to <this>/benchmark.json (slurm_submit.sh)",
-    )
-    parser.add_argument(
-        "--check_only",
-        action="store_true",
-        help="check the options and the folders they name, then exit: 0, or 2 with one line (the job does "
-        "this before it starts the benchmark on every node)",
-    )
-    parser.add_argument(
-        "--outcome",
-        help="write the verdict, the report's path and the failing nodes here as JSON, a new file, once the "
-        "verdict is known (the job reads it: no file, no verdict)",
-    )
+    what_to_measure(parser)
+    where_answers_go(parser)
     for flag, (kind, text) in SIZE_OPTIONS.items():
         parser.add_argument(flag, type=kind, help=text)
     parser.add_argument(
@@ -115,6 +86,44 @@ def argument_parser():
         help=f"print each node's figures over its runs (<report_dir>/{history.HISTORY_FILE}), then exit",
     )
     return parser
+
+
+def what_to_measure(parser):
+    parser.add_argument(
+        "--only", default=",".join(SECTIONS), help="comma-separated sections to run (default: all)"
+    )
+    parser.add_argument("--skip", default="", help="comma-separated sections not to run")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes, few repeats, 1 s GPU loops: seconds on CPU"
+    )
+    parser.add_argument("--storage_path", default="checkpoints", help="folder to test (default: checkpoints)")
+
+
+def where_answers_go(parser):
+    parser.add_argument(
+        "--report_dir",
+        default="logs",
+        help="where the YAML reports go, as benchmark_<job id>.yaml, never replacing one (default: logs)",
+    )
+    parser.add_argument(
+        "--report",
+        help="write the cluster report exactly here (a new .yaml file), the node reports beside it",
+    )
+    parser.add_argument(
+        "--suspects_folder",
+        help="write the nodes that fail a check to <this>/benchmark.json (slurm_submit.sh)",
+    )
+    parser.add_argument(
+        "--check_only",
+        action="store_true",
+        help="check the options and the folders they name, then exit: 0, or 2 with one line (the job does "
+        "this before it starts the benchmark on every node)",
+    )
+    parser.add_argument(
+        "--outcome",
+        help="write the verdict, the report's path and the failing nodes here as JSON, a new file, once the "
+        "verdict is known (the job reads it: no file, no verdict)",
+    )
 
 
 def parse_args(argv=None):
@@ -170,10 +179,8 @@ def train_run(train_args):
     """(options, model config, the values of the options that name the run) of train.py with these arguments.
     Options train.py refuses are refused here, before anything is measured: every rank checks them, one says
     why."""
-    import train  # the options and their checks are train.py's own
-
     try:
-        return train.run_options(shlex.split(train_args))
+        return run_options(shlex.split(train_args))
     except ConfigError as error:
         report_config_error(ConfigError(f"--train_args: {error}", error.per_node))
 

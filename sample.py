@@ -14,13 +14,13 @@ import tempfile
 
 import torch
 
-import train
 from common import options
 from common.errors import ConfigError, fail
-from run.export import export_checkpoint
-from run.options import refuse_remote_code
-from run.safe_load import refused_weights
-from run.state_match import listed
+from common.model_folders import refuse_remote_code
+from run.checkpoint.export import export_checkpoint
+from run.checkpoint.safe_load import refused_weights
+from run.checkpoint.state_match import listed
+from run.options import rebuild_model
 
 # --help prints these options verbatim from this file; fmt: off keeps their comments aligned
 # fmt: off
@@ -36,7 +36,7 @@ seed: int = 1337
 
 
 def parse_args(argv):
-    cfg = options.parse_args(argv, options.constants_of(sys.modules[__name__]))
+    cfg = options.parse_args(argv, options.declared(__file__))
     if not cfg.init_from:
         raise ConfigError("--init_from is required: an exported folder or a step_N checkpoint folder")
     exported = os.path.isfile(os.path.join(cfg.init_from, "config.json"))
@@ -71,6 +71,28 @@ def generate(cfg, folder):
     refuse_another_model(folder, report)
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
+    ids = prompt_ids(cfg, folder, model, tokenizer)
+    torch.manual_seed(cfg.seed)
+    sampling = (
+        dict(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k)
+        if cfg.temperature > 0
+        else dict(do_sample=False)
+    )
+    with torch.no_grad():
+        for _ in range(cfg.num_samples):
+            output = model.generate(
+                ids,
+                max_new_tokens=cfg.max_new_tokens,
+                use_cache=True,
+                pad_token_id=model.config.eos_token_id,
+                **sampling,
+            )[0]
+            print(tokenizer.decode(output) if tokenizer else " ".join(map(str, output.tolist())))
+            print("---------------", flush=True)
+
+
+def prompt_ids(cfg, folder, model, tokenizer):
+    """--prompt as the model's token ids, checked to leave room for --max_new_tokens in its positions."""
     if tokenizer is not None:
         ids = tokenizer(cfg.prompt, return_tensors="pt").input_ids
         if ids.numel() == 0:
@@ -99,23 +121,7 @@ def generate(cfg, folder):
             f"--max_new_tokens={cfg.max_new_tokens} after a prompt of {ids.shape[1]} tokens passes the "
             f"model's {positions} positions; use at most {max(0, positions - ids.shape[1])}"
         )
-    torch.manual_seed(cfg.seed)
-    sampling = (
-        dict(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k)
-        if cfg.temperature > 0
-        else dict(do_sample=False)
-    )
-    with torch.no_grad():
-        for _ in range(cfg.num_samples):
-            output = model.generate(
-                ids,
-                max_new_tokens=cfg.max_new_tokens,
-                use_cache=True,
-                pad_token_id=model.config.eos_token_id,
-                **sampling,
-            )[0]
-            print(tokenizer.decode(output) if tokenizer else " ".join(map(str, output.tolist())))
-            print("---------------", flush=True)
+    return ids
 
 
 def load_model(folder):
@@ -167,9 +173,7 @@ def main(argv):
         else:
             with tempfile.TemporaryDirectory() as scratch:
                 checkpoint = os.path.normpath(cfg.init_from)
-                generate(
-                    cfg, export_checkpoint(checkpoint, train.rebuild_model, f"{scratch}/model", "--init_from")
-                )
+                generate(cfg, export_checkpoint(checkpoint, rebuild_model, f"{scratch}/model", "--init_from"))
     except ConfigError as error:
         fail(error)
     return 0

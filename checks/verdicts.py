@@ -126,6 +126,11 @@ def straggler_checks(kind: str, members: dict, below: str = "fail") -> list:
 def gpu_checks(gpus: dict) -> list:
     """Against the datasheet, against the GPU's own first second (throttling), and ECC; the
     stragglers among GPUs are straggler_checks'."""
+    return datasheet_checks(gpus) + throttle_checks(gpus) + ecc_checks(gpus)
+
+
+def datasheet_checks(gpus: dict) -> list:
+    """Each figure of every GPU against its datasheet's peak; a skip for a GPU the datasheet lacks."""
     checks = []
     for figure, peak_key in DATASHEET_CHECKS.items():
         known = {
@@ -158,45 +163,55 @@ def gpu_checks(gpus: dict) -> list:
                     flagged=low,
                 )
             )
+    return checks
+
+
+def throttle_checks(gpus: dict) -> list:
+    """Each GPU's last second of a loop against its first: a GPU that slows as it heats up."""
     ratios = {
         (name, key.removesuffix("_throttle_ratio")): value
         for name, g in gpus.items()
         for key, value in g.items()
         if key.endswith("_throttle_ratio") and isinstance(value, (int, float))
     }
-    if ratios:
-        low = [(name, loop) for (name, loop), ratio in ratios.items() if under(ratio, THROTTLE_MIN_RATIO)]
-        worst = min(ratios, key=lambda member: (member not in low, ratios[member]))
-        reasons = {}
-        for name, loop in low:
-            reasons[name] = "; ".join(filter(None, [reasons.get(name), f"{loop} {ratios[name, loop]:.3g}"]))
-        shown = {f"{name} {loop}": None for name, loop in low}
-        checks.append(
-            check(
-                "fail" if low else "pass",
-                "gpu throttling (last second / first)",
-                f"lowest {' '.join(worst)}: {ratios[worst]:.3g}{flagged_text(shown)}",
-                f">= {THROTTLE_MIN_RATIO:g}",
-                measured=ratios[worst],
-                floor=THROTTLE_MIN_RATIO,
-                unit="last second / first",
-                flagged=reasons,
-            )
+    if not ratios:
+        return []
+    low = [(name, loop) for (name, loop), ratio in ratios.items() if under(ratio, THROTTLE_MIN_RATIO)]
+    worst = min(ratios, key=lambda member: (member not in low, ratios[member]))
+    reasons = {}
+    for name, loop in low:
+        reasons[name] = "; ".join(filter(None, [reasons.get(name), f"{loop} {ratios[name, loop]:.3g}"]))
+    shown = {f"{name} {loop}": None for name, loop in low}
+    return [
+        check(
+            "fail" if low else "pass",
+            "gpu throttling (last second / first)",
+            f"lowest {' '.join(worst)}: {ratios[worst]:.3g}{flagged_text(shown)}",
+            f">= {THROTTLE_MIN_RATIO:g}",
+            measured=ratios[worst],
+            floor=THROTTLE_MIN_RATIO,
+            unit="last second / first",
+            flagged=reasons,
         )
+    ]
+
+
+def ecc_checks(gpus: dict) -> list:
+    """Uncorrected ECC errors, where the GPUs count them."""
+    if not any(isinstance(g.get("ecc_uncorrected_errors"), int) for g in gpus.values()):
+        return []
     ecc = {name: g["ecc_uncorrected_errors"] for name, g in gpus.items() if g.get("ecc_uncorrected_errors")}
-    if any(isinstance(g.get("ecc_uncorrected_errors"), int) for g in gpus.values()):
-        checks.append(
-            check(
-                "fail" if ecc else "pass",
-                "gpu uncorrected ECC errors",
-                ", ".join(f"{n}: {v}" for n, v in ecc.items()) or "none",
-                "0",
-                measured=max(ecc.values(), default=0),
-                unit="errors",
-                flagged={name: f"{count} uncorrected ECC errors" for name, count in ecc.items()},
-            )
+    return [
+        check(
+            "fail" if ecc else "pass",
+            "gpu uncorrected ECC errors",
+            ", ".join(f"{n}: {v}" for n, v in ecc.items()) or "none",
+            "0",
+            measured=max(ecc.values(), default=0),
+            unit="errors",
+            flagged={name: f"{count} uncorrected ECC errors" for name, count in ecc.items()},
         )
-    return checks
+    ]
 
 
 def platform_floor(sweep: dict) -> dict | str:

@@ -27,7 +27,8 @@ KINDS = {
 
 class UnsafeFile(Exception):
     """A file refused before it is read or loaded: not a regular file, larger than any of its kind, or
-    (run/safe_load.py) one that would run code, read beyond its folder, or load another model's tensors."""
+    (run/checkpoint/safe_load.py) one that would run code, read beyond its folder, or load another model's
+    tensors."""
 
 
 def open_regular(path):

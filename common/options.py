@@ -1,8 +1,9 @@
-"""Options as nanoGPT states them, for every script of the project (train.py, benchmark.py, sample.py): typed
-module-level constants with their defaults, which a user edits, sets in --config=FILE.yaml files or overrides
-as --name=value flags (bare --flag means True; flags win over files). Each value is checked against its
-constant's type; bad input is a ConfigError, one line. --help prints the script's docstring and its block of
-constants, with their comments."""
+"""Options as nanoGPT states them, for train.py and sample.py: typed module-level constants with their
+defaults, which a user edits, sets in --config=FILE.yaml files or overrides as --name=value flags (bare --flag
+means True; flags win over files). They are read from the script's source (declared), so that another script
+can take them without importing it. Each value is checked against its constant's type; bad input is a
+ConfigError, one line. --help prints the script's docstring and its block of constants, with their
+comments."""
 
 import ast
 import contextlib
@@ -20,21 +21,53 @@ from common.errors import ConfigError
 from common.files import UnsafeFile, read_regular
 
 
-def constants_of(script):
-    """A script's options: name -> (default, type), from its annotated module-level constants (upper-case
-    names are the script's own tables, not options)."""
-    hints = vars(script).get("__annotations__", {})
-    names = {name: hint for name, hint in hints.items() if not name.isupper()}
-    return {name: (getattr(script, name), hint) for name, hint in names.items()}
+def option_nodes(path):
+    """A script's options as written: its annotated module-level constants, in order (upper-case names are
+    the script's own tables, not options)."""
+    with open(path) as file:
+        tree = ast.parse(file.read(), path)
+    return [node for node in tree.body if isinstance(node, ast.AnnAssign) and not node.target.id.isupper()]
+
+
+def declared(path):
+    """A script's options, name -> (default, type), read from its source rather than imported, so that one
+    script can take another's options without running it: a default is written as a value, a type as bool,
+    int, float, str, None, Literal[...] and their unions (|)."""
+    options = {}
+    for node in option_nodes(path):
+        try:
+            options[node.target.id] = (ast.literal_eval(node.value), annotation(node.annotation))
+        except (ValueError, TypeError):
+            raise ConfigError(
+                f"{path}, line {node.lineno}: write {node.target.id}'s type with bool, int, float, str, "
+                f"None, Literal[...] and |, and its default as a value (a number, a string, True, False or "
+                f"None)"
+            ) from None
+    return options
+
+
+TYPES = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def annotation(node):
+    """The type an option's annotation names; ValueError for any other expression."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return annotation(node.left) | annotation(node.right)
+    if isinstance(node, ast.Constant) and node.value is None:
+        return None
+    if isinstance(node, ast.Name) and node.id in TYPES:
+        return TYPES[node.id]
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "Literal":
+        return typing.Literal[ast.literal_eval(node.slice)]
+    raise ValueError("not an option's type")
 
 
 def print_help(script):
     """The script's docstring, then its constants as written, from the first to the last, with the comments
     just above, among and just below them (a comment may go on below its constant's line)."""
     lines = open(script.__file__).read().splitlines()
-    declared = [node for node in ast.parse("\n".join(lines)).body if isinstance(node, ast.AnnAssign)]
-    declared = [node for node in declared if not node.target.id.isupper()]
-    first, last = declared[0].lineno - 1, declared[-1].end_lineno
+    declared_here = option_nodes(script.__file__)
+    first, last = declared_here[0].lineno - 1, declared_here[-1].end_lineno
 
     def comment(line):
         return line.lstrip().startswith("#") and "fmt: " not in line
@@ -52,8 +85,8 @@ def print_help(script):
 
 
 def parse_args(argv, constants):
-    """constants: name -> (default, type), the options as train.py declares them. Each value type-checked
-    against its constant's type."""
+    """constants: name -> (default, type), the options as the script declares them (declared). Each value
+    type-checked against its constant's type."""
     hints = {name: hint for name, (_, hint) in constants.items()}
     args = {name: default for name, (default, _) in constants.items()}
     for path in [arg.removeprefix("--config=") for arg in argv if arg.startswith("--config=")]:

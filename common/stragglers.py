@@ -4,8 +4,8 @@ The benchmark measures rates (higher is better) once, after warm-up, with nothin
 (GPU, node, pair of nodes) more than MARGIN below the median of its peers is named at once, by
 below_peers. Training measures times (lower is better) per log window, which data loading and the host's
 other work make noisy: slower_than_peers names a rank more than MARGIN above the median, by more than
-MARGIN of the whole step too, and only a streak of windows leaves its node out (run/stragglers.py,
---exclude_stragglers_after).
+MARGIN of the whole step too, and only a streak of windows leaves its node out (run/health/stragglers.py,
+--exclude_stragglers_after); describe_straggler words its figures, for the warning and the log line.
 """
 
 import statistics
@@ -38,3 +38,10 @@ def slower_than_peers(names, timings, margin=MARGIN):
         if slow:
             named[name] = slow
     return medians, named
+
+
+def describe_straggler(figures, medians):
+    """figures and medians: seconds per step by compute_s and data_wait_s."""
+    described = [f"{key[:-2].replace('_', ' ')} {value:.3f} s/step vs median {medians[key]:.3f}"
+                 for key, value in figures.items()]  # fmt: skip
+    return ", ".join(described)

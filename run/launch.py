@@ -1,7 +1,6 @@
 """Launch: the machine check, the run's folders and lock (one trainer per run), the device and the process
 group, and the end of a run."""
 
-import atexit
 import contextlib
 import json
 import os
@@ -18,9 +17,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from common.errors import ConfigError, exit_after_the_speaker, fail
 from common.files import UnsafeFile, read_json
 from common.node import available_memory_bytes, local_device
-from run.checkpoints import checkpoint_step
+from run.checkpoint.checkpointer import checkpoint_step
+from run.health.watchdog import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
 from run.options import launched_world_size
-from run.watchdog import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
 
 
 def check_machine_holds(args, meta_model):
@@ -54,14 +53,23 @@ LOCK_HEARTBEAT_S = 30
 LOCK_STALE_S = 300  # a lock whose heartbeat is this old, held on another host, is abandoned
 
 
-def make_run_folders(args):
-    """The run's checkpoint folder, its log folder (logs, config, curves, diagnostics) and its lock, which
-    rank 0 takes before any process group: a second launch of the same run stops here."""
-    run_dir = os.path.join(args.checkpoint_dir, args.run_name)
-    log_folder = os.path.join(args.log_dir, args.run_name)
-    os.makedirs(run_dir, exist_ok=True)
-    os.makedirs(log_folder, exist_ok=True)
-    return run_dir, log_folder, take_run_lock(run_dir) if os.environ.get("RANK", "0") == "0" else None
+class RunFolders:
+    """The run's checkpoint folder (run_dir), its log folder (logs, config, curves, diagnostics) and its lock,
+    which rank 0 takes before any process group: a second launch of the same run stops here. The lock is
+    released where the with block of these folders ends, however the run ends."""
+
+    def __init__(self, args):
+        self.run_dir = os.path.join(args.checkpoint_dir, args.run_name)
+        self.log_folder = os.path.join(args.log_dir, args.run_name)
+        os.makedirs(self.run_dir, exist_ok=True)
+        os.makedirs(self.log_folder, exist_ok=True)
+        self.lock = take_run_lock(self.run_dir) if os.environ.get("RANK", "0") == "0" else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        release_run_lock(self.lock)
 
 
 def lock_is_stale(holder, age):
@@ -140,7 +148,6 @@ def take_run_lock(run_dir):
                 os.utime(path)
 
     threading.Thread(target=heartbeat, daemon=True).start()
-    atexit.register(release_run_lock, path)  # an error exit (sys.exit, a traceback) leaves no lock behind
     return path
 
 
@@ -253,19 +260,18 @@ def already_finished(args, resume_path, total_steps, run_dir, master):
 
 
 def exit_at_once(status):
-    """Ends the process once its exit handlers (the run lock's release) have run, skipping the interpreter's
-    teardown, after a finished run and a refused one alike: the loader's daemon thread may be inside tokenizer
-    or Arrow code and gloo's threads still up, and finalising around them can abort a process that has said
-    all it had to ("terminate called without an active exception", status -6, seen on a refused relaunch)."""
+    """Ends the process without the interpreter's teardown, after a finished run and a refused one alike, once
+    train.py has done what must be done at the end (the run's lock released, the last heartbeat written): the
+    loader's daemon thread may be inside tokenizer or Arrow code and gloo's threads still up, and finalising
+    around them can abort a process that has said all it had to ("terminate called without an active
+    exception", status -6, seen on a refused relaunch)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    atexit._run_exitfuncs()
     os._exit(status)
 
 
-def teardown(lock):
-    """Returns 0 once every rank is done with the process group, and the run's lock is released."""
+def teardown():
+    """Returns 0 once every rank is done with the process group."""
     dist.barrier()  # a rank leaving while gloo still talks to it aborts the other
     dist.destroy_process_group()
-    release_run_lock(lock)
     return 0

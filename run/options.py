@@ -1,8 +1,13 @@
-"""train.py's options, once parsed (common/options.py): what they leave to the run filled in (complete), and
-every check that needs no data, before any process group or model (validate). Bad input is a ConfigError:
-one line per problem, exit status 2."""
+"""train.py's options, in one place. They are declared at the top of train.py, in two blocks: what the run
+computes, whose values name the run, and how the run is operated. Here they are read from its source
+(declared, blocks), so that benchmark.py and sample.py take them without importing train.py; parsed (parse);
+completed and checked as a run settles them before anything is built (complete_and_check: the model's shape,
+the kind of data, every check that needs no data), a choice of the auto options as well (taking_choice); and
+the options and model of a run to come (run_options, for benchmark.py) or of a checkpoint (rebuild_model, for
+--export_from and sample.py). Bad input is a ConfigError: one line per problem, exit status 2."""
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -11,13 +16,27 @@ import os
 import re
 import sys
 import tempfile
+import types
 
 import torch
 
 from common.datasheet import datasheet
 from common.errors import ConfigError
+from common.model_folders import check_weights, missing_folder
 from common.node import available_memory_bytes
+from common.options import declared as declared_in
+from common.options import option_nodes, parse_args
+from run.checkpoint.set_aside import REWINDS
+from run.data.source import load_tokenizer, parse_source
+from run.model.build import never_packed_sequences
+from run.model.presets import build_meta_model, build_model_config, resolve_shape
+from run.progress.profiler import profiled_steps
 from run.report_figures import BadReport, measured_elsewhere, read_report
+
+TRAIN_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py")
+# The lines that open train.py's two blocks of options.
+COMPUTES = "# What the run computes"
+OPERATES = "# How the run is operated"
 
 CHOICES = {
     "sharding": ("full", "grad_op", "hybrid", "ddp", "auto"),
@@ -36,15 +55,90 @@ MAX_RUN_NAME = 200
 # Far beyond the largest clusters (about 100,000 GPUs); what a plan's search and simulation can take.
 MAX_WORLD_SIZE = 1 << 20
 
-# A run folder's record of what it set aside (run/set_aside.py): a --resume_from it names may be gone, pruned
-REWINDS = "rewinds.json"
+
+@functools.cache
+def declared():
+    """train.py's options, name -> (default, type), as its source declares them (common/options.py)."""
+    return declared_in(TRAIN_SCRIPT)
 
 
-def complete(args, shape, names_the_run):
+@functools.cache
+def blocks():
+    """(the options under COMPUTES, those under OPERATES), in train.py's order. The first block names the run:
+    the default --run_name is a digest of its values (complete), so that a relaunch with the same values
+    resumes the run and a change of one starts another. The second only operates it: a larger --max_steps
+    goes on with the same run."""
+    with open(TRAIN_SCRIPT) as file:
+        lines = file.read().splitlines()
+    found = [[number for number, line in enumerate(lines, 1) if line.startswith(heading)]
+             for heading in (COMPUTES, OPERATES)]  # fmt: skip
+    computes_at, operates_at = (numbers[0] if len(numbers) == 1 else math.inf for numbers in found)
+    options = option_nodes(TRAIN_SCRIPT)
+    if not computes_at < options[0].lineno < operates_at < math.inf:
+        raise ConfigError(
+            f"{TRAIN_SCRIPT}: its options stand in two blocks, each opened by its line: '{COMPUTES}...' "
+            f"above the first option, then '{OPERATES}...'; write each of the two once"
+        )
+    computes = tuple(node.target.id for node in options if node.lineno < operates_at)
+    return computes, tuple(name for name in declared() if name not in computes)
+
+
+def names_the_run():
+    """The options whose values make a run what it is: train.py's first block."""
+    return blocks()[0]
+
+
+def parse(argv):
+    """train.py's options from its command line and --config files."""
+    return parse_args(argv, declared())
+
+
+def complete_and_check(args):
+    """The options as a run settles them before anything is built: the model's shape, what the options leave
+    to the run filled in, and every check that needs no data. Returns the shape."""
+    shape = resolve_shape(args)
+    complete(args, shape)
+    validate(args, shape, parse_source(args)[0])
+    return shape
+
+
+def taking_choice(args, shape, chosen):
+    """args with a choice of the auto options taken (run/prediction/plan.py's settle), each value read and
+    checked as the same option given on the command line: a ConfigError says what is wrong with it."""
+    given = parse([f"--{name}={value}" for name, value in chosen.items()])
+    taken = types.SimpleNamespace(**{**vars(args), **{name: getattr(given, name) for name in chosen}})
+    validate(taken, shape, parse_source(taken)[0])
+    return taken
+
+
+def run_options(argv):
+    """For benchmark.py --train_args: the options of a training run with these arguments, completed and
+    checked as train.py does (a ConfigError as it would refuse them), its model's config, and the values of
+    the options that name the run."""
+    args = parse(argv)
+    shape = complete_and_check(args)
+    tokenizer = load_tokenizer(args)
+    never_packed_sequences()
+    naming = {name: getattr(args, name) for name in names_the_run()}
+    return args, build_model_config(shape, tokenizer, args.vocab_size), naming
+
+
+def rebuild_model(saved_options, saved_shape):
+    """For --export_from and sample.py: the model a checkpoint's trainer_state describes, on the meta device,
+    and its tokenizer. The vocabulary is the one saved, whatever the tokenizer holds now."""
+    saved = parse([])
+    vars(saved).update({name: value for name, value in saved_options.items() if name in declared()})
+    shape = resolve_shape(saved)
+    vars(shape).update(saved_shape)
+    tokenizer = load_tokenizer(saved)
+    return build_meta_model(build_model_config(shape, tokenizer, shape.vocab_size)), tokenizer
+
+
+def complete(args, shape):
     """Fills in what the options leave to the run: --plan's dry run, the sequence length (the model's
     positions), the precision
     (auto: bf16 on a GPU, and in a dry run, which simulates one) and the run's name, a digest of the options
-    that name it (train.py's NAMES_THE_RUN), so that a relaunch of the same run resumes it."""
+    that name it (blocks), so that a relaunch of the same run resumes it."""
     args.dry_run = args.dry_run or args.plan  # a plan is a dry run of every candidate
     if args.seq_length is None:
         args.seq_length = shape.n_positions
@@ -52,18 +146,21 @@ def complete(args, shape, names_the_run):
         gpu_simulated = args.dry_run and args.gpu != "cpu"
         args.mixed_precision = "bf16" if gpu_simulated or torch.cuda.is_available() else "fp32"
     if args.run_name is None:
-        identity = {name: getattr(args, name) for name in names_the_run}
+        identity = {name: getattr(args, name) for name in names_the_run()}
         digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
         args.run_name = f"{args.model}-{digest}"
 
 
 def validate(args, shape, data_kind):
-    """Every check that needs no data, before any process group or model. shape: train.py's resolve_shape
-    (its shape constants named in shape.names); data_kind: the kind of --data (train.py's parse_source)."""
+    """Every check that needs no data, before any process group or model. shape: the model's (run/model/
+    presets.py's resolve_shape, its shape constants named in shape.names); data_kind: the kind of --data
+    (run/data/source.py's parse_source)."""
     for name, choices in CHOICES.items():
         if getattr(args, name) not in choices:
             raise ConfigError(f"--{name}={getattr(args, name)} is not one of: {', '.join(choices)}")
     check_ranges(args, shape)
+    check_shape(args, shape)
+    check_world(args)
     check_combinations(args, shape)
     if args.init_from:
         check_weights("--init_from", args.init_from)
@@ -123,7 +220,8 @@ def launched_world_size(args):
     return int(os.environ.get("WORLD_SIZE", 8 if args.dry_run else 1))
 
 
-def check_combinations(args, shape):
+def check_shape(args, shape):
+    """The model's shape holds together, and takes the sequences asked for."""
     if shape.n_embd % shape.n_head:
         raise ConfigError(f"--n_embd={shape.n_embd} is not divisible by --n_head={shape.n_head}")
     kv_heads = shape.arguments.get("num_key_value_heads") or shape.n_head
@@ -143,6 +241,10 @@ def check_combinations(args, shape):
             f"--seq_length={args.seq_length} exceeds the model's {shape.n_positions} positions; "
             f"lower --seq_length or raise --n_positions"
         )
+
+
+def check_world(args):
+    """The world size, and how the batch and the model's copies divide over it."""
     if args.world_size is not None and not args.dry_run:
         raise ConfigError("--world_size is for --dry_run; a training run takes its world size from torchrun")
     world_size = launched_world_size(args)
@@ -174,6 +276,10 @@ def check_combinations(args, shape):
             f"--sharding=hybrid over groups of one process shards nothing: use --sharding=ddp, or a "
             f"--shard_group_size of 2 or more that divides the world size ({world_size})"
         )
+
+
+def check_combinations(args, shape):
+    """Options that exclude each other, a checkpoint to resume that is not one, a trace past the run's end."""
     if not 0 <= args.min_lr <= args.lr:
         raise ConfigError(f"--min_lr={args.min_lr} must lie between 0 and --lr={args.lr}")
     if args.init_from and any(getattr(args, name) is not None for name in shape.names):
@@ -197,67 +303,6 @@ def check_combinations(args, shape):
     if profiled and 0 < args.max_steps < profiled[1] and os.environ.get("RANK", "0") == "0":
         print(f"warning: --profile_steps={args.profile_steps} ends after --max_steps={args.max_steps}: the "
               f"trace ends with the run's last step", file=sys.stderr)  # fmt: skip
-
-
-def profiled_steps(text):
-    """--profile_steps=A,B as (A, B); None when not set."""
-    if text is None:
-        return None
-    first, _, last = text.partition(",")
-    digits = re.compile(r"\s*[0-9]+\s*")  # ASCII: int() also reads other scripts' digits
-    if not (digits.fullmatch(first) and digits.fullmatch(last) and 1 <= int(first) <= int(last)):
-        raise ConfigError(
-            f"--profile_steps={text}: expected two step numbers A,B with 1 <= A <= B, "
-            f"e.g. --profile_steps=5,8"
-        )
-    return int(first), int(last)
-
-
-def missing_folder(option, value):
-    """A value written as a local path (a hub name is NAME or OWNER/NAME) must be an existing folder, and a
-    folder must not need code of its own."""
-    local = value.startswith((".", "/", "~")) or value.endswith("/") or value.count("/") > 1
-    if local and not os.path.isdir(os.path.expanduser(value)):
-        file = " (it is a file; give the folder holding it)" if os.path.isfile(value) else ""
-        raise ConfigError(f"{option}={value}: no such folder{file}")
-    refuse_remote_code(option, os.path.expanduser(value))
-
-
-REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json")
-WEIGHT_FILES = (
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "pytorch_model.bin",
-    "pytorch_model.bin.index.json",
-)
-
-
-def check_weights(option, folder):
-    """A local model folder holds weights in a file transformers reads: checked before the model is built."""
-    if os.path.isdir(folder) and not any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
-        raise ConfigError(
-            f"{option}={folder} has a config.json but no weights ({', '.join(WEIGHT_FILES[::2])}); "
-            f"give the folder save_pretrained wrote"
-        )
-
-
-def refuse_remote_code(option, folder):
-    """A model or tokenizer whose config names classes of its own (auto_map) runs code from its folder:
-    refused here, in one line, before transformers asks whether to run it."""
-    for name in REMOTE_CODE_FILES if os.path.isdir(folder) else ():
-        try:
-            with open(os.path.join(folder, name)) as file:
-                auto_map = json.load(file).get("auto_map")
-        except (OSError, ValueError, AttributeError):
-            continue  # transformers names a broken file
-        if auto_map:
-            classes = ", ".join(
-                sorted(set(map(str, auto_map.values())) if isinstance(auto_map, dict) else [])
-            )
-            raise ConfigError(
-                f"{option}={folder} needs code of its own ({name} maps to {classes or auto_map}), which this "
-                f"repo never runs; use a folder of a model transformers knows (its own classes)"
-            )
 
 
 def writable_folder(option, path):

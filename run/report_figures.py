@@ -32,12 +32,12 @@ FIGURES = {
     "storage": {"parallel_write_GB/s": RATE},
 }
 SWEEP = {"size_bytes": BYTES, "busbw_GB/s": RATE, "time_us": (1e-6, 3.6e9, False)}
-# A probe's figures (run/prediction/probe.py's Measured and its copies): seconds of a step or a part of one
-# (none where there is no such part), how far apart its steps lay, the share of cores others took.
+# A probe's figures (run/prediction/probe.py's Measured): seconds of a step or a part of one (none where there
+# is no such part), how far apart its steps lay, the share of cores others took.
 SPAN = (0.0, 3600.0, False)
 SHARE = (0.0, 100.0, False)
-PROBE = {"layers": COUNT, "accumulation": COUNT, "others": SHARE, "seconds": SECONDS}
-COPY = {"depth": COUNT, "step_s": SECONDS, "micro_s": SPAN, "layer_forward_s": SPAN, "spread": SHARE}
+PROBE = {"accumulation": COUNT, "step_s": SECONDS, "micro_s": SPAN, "layer_forward_s": SPAN, "spread": SHARE,
+         "others": SHARE, "seconds": SECONDS}  # fmt: skip
 SECTIONS = ("gpu", "cpu", "memory", "storage", "nccl", "links", "model", "nodes")
 
 
@@ -150,15 +150,10 @@ def model_problem(model):
     if not isinstance(model.get("options"), dict):
         return "model.options is not a mapping of the run's options"
     measured = model.get("measured")
-    copies = measured.get("copies") if isinstance(measured, dict) else None
-    if not (isinstance(copies, list) and 1 <= len(copies) <= 2 and set(measured) == {*PROBE, "copies"}):
+    if not isinstance(measured, dict) or set(measured) != set(PROBE):
         return "model.measured is not a probe of the run's step"
     checked = [("model.world_size", model.get("world_size"), COUNT)]
     checked += [(f"model.measured.{name}", measured[name], bounds) for name, bounds in PROBE.items()]
-    for index, copy in enumerate(copies):
-        if not isinstance(copy, dict) or set(copy) != set(COPY):
-            return f"model.measured.copies row {index} is not a copy of the model, timed"
-        checked += [(f"model.measured.copies row {index}: {name}", copy[name], COPY[name]) for name in COPY]
     for where, value, bounds in checked:
         if problem := out_of_range(value, *bounds):
             return f"{where} is {problem}"

@@ -14,8 +14,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from run.checkpoint_files import MANIFEST, file_checksum
-from run.safe_load import read_metadata
+from run.checkpoint.files import MANIFEST, file_checksum
+from run.checkpoint.safe_load import read_metadata
 
 WTE, WPE, LR = "model.transformer.wte.weight", "model.transformer.wpe.weight", "optimizer.param_groups.0.lr"
 

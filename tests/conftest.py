@@ -16,8 +16,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 sys.path.insert(0, str(REPO))  # tests import train.py, its modules in run/, and benchmark.py
-import train as train_script  # noqa: E402
-from common.options import constants_of, parse_args  # noqa: E402
 from run import options  # noqa: E402
 
 # A small, fast CPU configuration of the tiny preset that learns within a few dozen steps.
@@ -94,12 +92,12 @@ def pytest_unconfigure(config):
 
 def parse_options(argv):
     """train.py's options from argv, as main() parses them."""
-    return parse_args(argv, constants_of(train_script))
+    return options.parse(argv)
 
 
 def validated(args):
     """args checked and completed as main() does; returns the model's shape."""
-    return train_script.complete_and_check(args)
+    return options.complete_and_check(args)
 
 
 def torchrun_command(script, args, nproc, torchrun_args=()):

@@ -1,4 +1,4 @@
-"""When the checkpointer saves (run/checkpoint_schedule.py), as torchtitan tests its _should_save: a fixed
+"""When the checkpointer saves (run/checkpoint/schedule.py), as torchtitan tests its _should_save: a fixed
 interval, Young/Daly's computed by hand, the last step and a requested stop, and a relaunch of an auto run. In
 one process, whose process group of one carries rank 0's choice."""
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 import yaml
 from conftest import ODD, make_odd
 
-from run.checkpoint_schedule import ASSUMED_WRITE_GBPS, CheckpointSchedule, benchmark_write_GBps
+from run.checkpoint.schedule import ASSUMED_WRITE_GBPS, CheckpointSchedule, benchmark_write_GBps
 
 # a 30 s save, 6,335 h between failures of one node, 4 nodes: M = 6,335 x 3,600 / 4 = 5,701,500 s, and
 # T = sqrt(2 x 30 x 5,701,500) = 18,495.4 s, which is 9,248 steps of 2 s

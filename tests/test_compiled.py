@@ -18,7 +18,7 @@ from conftest import (
 )
 
 from run import launch as run_launch
-from run import stragglers
+from run.health import stragglers
 from run.model import build, presets, step
 from run.stops import StopRequests
 

@@ -472,13 +472,13 @@ def test_window_loader_shuffles_each_epoch_and_resumes_after_the_last_completed_
     import numpy as np
     import torch
 
-    import train as train_script
+    from run.data import batches
 
     cfg = SimpleNamespace(batch_size=2, seq_length=8, seed=1)
     tokens = np.arange(125 * 8 + 1)  # 125 windows; window i starts with token 8·i
 
     def loader():
-        return train_script.WindowBatches(
+        return batches.WindowBatches(
             lambda i: tokens[i * 8 : (i + 1) * 8 + 1],
             125,
             cfg,
@@ -514,8 +514,7 @@ def test_streaming_loader_resumes_on_exactly_the_next_batch(tmp_path, tokenizer_
     from datasets import load_dataset
     from transformers import AutoTokenizer
 
-    import train as train_script
-    from run import prepare
+    from run.data import batches, prepare
 
     stream = write_parquet_stream(tmp_path / "stream", column="text")
     tokenize = prepare.tokenize_documents(AutoTokenizer.from_pretrained(tokenizer_dir), "text")
@@ -523,7 +522,7 @@ def test_streaming_loader_resumes_on_exactly_the_next_batch(tmp_path, tokenizer_
 
     def loader():
         documents = load_dataset(str(stream), split="train", streaming=True).map(tokenize, batched=True)
-        return train_script.StreamingBatches(
+        return batches.StreamingBatches(
             documents, cfg, accumulation=1, device=torch.device("cpu"), prefetch=True
         )
 
@@ -541,13 +540,13 @@ def test_streaming_loader_resumes_on_exactly_the_next_batch(tmp_path, tokenizer_
 
 
 def test_prefetched_items_end_where_a_finite_source_ends_and_its_error_is_raised_here():
-    import train as train_script
+    from run.data import batches
 
-    assert list(train_script.prefetched(iter(range(5)), depth=2)) == [0, 1, 2, 3, 4]
+    assert list(batches.prefetched(iter(range(5)), depth=2)) == [0, 1, 2, 3, 4]
 
     def broken():
         yield 1
         raise ValueError("the source broke")
 
     with pytest.raises(ValueError, match="the source broke"):
-        list(train_script.prefetched(broken(), depth=2))
+        list(batches.prefetched(broken(), depth=2))

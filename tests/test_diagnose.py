@@ -35,11 +35,12 @@ from conftest import (
 
 import train as train_script
 from common import stragglers
-from run import watchdog
+from run import options
+from run.health import watchdog
+from run.health.stragglers import Stragglers
 from run.job import heartbeats
 from run.prediction import live, step_time
 from run.prediction.step_time import Prediction
-from run.stragglers import Stragglers
 
 HOST = socket.gethostname()
 
@@ -193,7 +194,7 @@ def keep_a_prediction(folder):
     """A prediction kept for the run of slow_run(folder), as its first launch would keep one."""
     cfg = parse_options(slow_run(folder, max_steps=60))
     validated(cfg)
-    holds_for = live.holds_for(cfg, train_script.NAMES_THE_RUN, torch.device("cpu"), 2, 2)
+    holds_for = live.holds_for(cfg, options.names_the_run(), torch.device("cpu"), 2, 2)
     source = "this run's own CPU (2 ranks)"
     prediction = Prediction(KEPT_STEP_S, KEPT_STEP_S, KEPT_STEP_S, "measured", source, 1,
                             layer_forward_s=KEPT_LAYER_FORWARD_S)  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 from conftest import ODD, TINY, fill_disk, make_odd, run_training, run_until
 
 from common.files import create_atomically
-from run import goodput
+from run.progress import goodput
 
 RUN = [*TINY, "--seq_length=32", "--max_steps=16", "--checkpoint_every=5", "--run_name=g"]
 

@@ -15,12 +15,13 @@ import pytest
 from conftest import ODD, TINY, make_odd, parse_options, read_metrics, validated
 
 import benchmark
-import train as train_script
 from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, read_regular
-from run import launch, run_log, set_aside
+from run import launch, options
+from run.checkpoint import set_aside
 from run.job import benchmark_reports
 from run.prediction import plan
+from run.progress import run_log
 
 
 def test_a_relaunch_at_another_global_batch_chooses_again_and_never_trains_without_micro_steps(
@@ -57,7 +58,7 @@ def auto_run(tmp_path, *flags):
     taking of a choice of its auto options as main() gives it to settle."""
     args = parse_options([*TINY, f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}", *flags])
     shape = validated(args)
-    return args, functools.partial(train_script.taking_choice, args, shape)
+    return args, functools.partial(options.taking_choice, args, shape)
 
 
 @pytest.fixture

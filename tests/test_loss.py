@@ -43,8 +43,7 @@ def test_chunked_loss_and_gradients_equal_full_logits_cross_entropy(preset, shar
     try:
         mesh = init_device_mesh("cpu", (1,)) if sharding != "ddp" else None
         model = build.build_model(config, cfg, torch.device("cpu"), mesh)
-        build.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
-        model = build.init_or_load(model, config, cfg)
+        model = build.initialise(model, config, cfg)
         plain = AutoModelForCausalLM.from_config(config)
         plain.load_state_dict({k.removeprefix("module."): full(v) for k, v in model.state_dict().items()})
         total = 0.0

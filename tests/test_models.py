@@ -17,6 +17,7 @@ from conftest import (
 )
 
 import train as train_script
+from run.data.batches import dummy_window
 from run.model import build, presets, step
 
 # Published parameter counts (model cards and papers; GPT-2's with the vocabulary padded to 50304).
@@ -203,7 +204,7 @@ def test_init_from_starts_at_the_saved_models_loss(train, tmp_path, tied, shardi
         "--seq_length=64",
         "--max_steps=1",
     )
-    windows = [train_script.dummy_window(64, 300, train_script.seed, i) for i in range(8)]
+    windows = [dummy_window(64, 300, train_script.seed, i) for i in range(8)]
     batch = torch.from_numpy(np.stack(windows))
     with torch.no_grad():
         logits = pretrained(input_ids=batch[:, :-1]).logits

@@ -1,9 +1,9 @@
-"""The step's prediction (run/prediction/) follows its inputs and says its basis: a probe's copies of the
-model fit the whole model's step; a roofline follows the figures it is given and is printed as a range; the
-dry run predicts from a report's probe of the same configuration, from this CPU measured now, or from a
-roofline, and says which; a prediction measured badly is refused or never kept, and a kept one holds only for
-its options and machine; a compiled step keeps no more memory than the eager one. (test_diagnose.py holds a
-training run's live step against its prediction.)"""
+"""The step's prediction (run/prediction/) follows its inputs and says its basis: a probe of the run's own
+model gives its step at the run's micro-steps; a roofline follows the figures it is given and is printed as a
+range; the dry run predicts from a report's probe of the same configuration, from this CPU measured now, or
+from a roofline, and says which; a prediction measured badly is refused or never kept, and a kept one holds
+only for its options and machine; a compiled step keeps no more memory than the eager one. (test_diagnose.py
+holds a training run's live step against its prediction.)"""
 
 import copy
 import dataclasses
@@ -18,10 +18,11 @@ import types
 import pytest
 import torch
 import yaml
-from conftest import ODD, SIMULATES, launch, make_odd, parse_options, validated
+from conftest import ODD, SIMULATES, TINY, launch, make_odd, parse_options, read_metrics, validated
 
 import train as train_script
 from common.errors import ConfigError
+from run import options as train_options
 from run import report_figures
 from run.model import presets
 from run.prediction import plan, probe, roofline, simulate, step_time
@@ -55,42 +56,32 @@ def cpu_report(busbw_GBps=1.0, host="h"):
             "nccl": {"all_reduce": sweep(busbw_GBps)}}  # fmt: skip
 
 
-def measured(*copies, layers=6, accumulation=3, others=0.0):
-    """A probe's figures: copies as (depth, step s, middle micro-step s, layer forward s, spread)."""
-    return probe.Measured(layers, accumulation, [probe.Copy(*copy) for copy in copies], others, 1.0)
+def measured(step_s=1.0, micro_s=0.3, layer_forward_s=0.1, accumulation=3, spread=0.05, others=0.0):
+    """A probe's figures."""
+    return probe.Measured(accumulation, step_s, micro_s, layer_forward_s, spread, others, 1.0)
 
 
 def probed(step_s=0.3, options=None, world_size=2):
     """A report's model section: a probe of a run's step (benchmark.py --train_args)."""
-    found = measured((1, step_s, 0.0, 0.01, 0.02), (2, step_s + 0.05, 0.0, 0.02, 0.03), accumulation=1)
+    found = measured(step_s, micro_s=0.0, layer_forward_s=0.02, accumulation=1)
     return {"options": options or {"model": "tiny"}, "world_size": world_size,
             "measured": dataclasses.asdict(found)}  # fmt: skip
 
 
-ONE_AND_TWO = ((1, 1.0, 0.4, 0.1, 0), (2, 1.3, 0.5, 0.2, 0))
-# copies, layers, the probe's micro-steps, the run's -> the step's seconds, its layers' forward seconds
+# the probe's micro-steps (accumulation), the run's -> the step's seconds, its layers' forward seconds
 FITS = {
-    "each layer past the first adds the second's": (ONE_AND_TWO, 6, 3, 3, 2.5, 0.6),
-    "each micro-step past the probe's, its middle one": (ONE_AND_TWO, 6, 3, 9, 2.5 + 6 * 0.9, 0.6 * 3),
-    "a model of two layers is its own copy": (((2, 0.8, 0.3, 0.2, 0),), 2, 3, 5, 0.8 + 2 * 0.3, 0.2 * 5 / 3),
-    "one micro-step": (((1, 0.5, 0.0, 0.1, 0), (2, 0.6, 0.0, 0.2, 0)), 4, 1, 1, 0.8, 0.4),
-    "a second copy no slower adds nothing": (
-        ((1, 1.0, 0.4, 0.1, 0), (2, 0.9, 0.3, 0.1, 0)),
-        6,
-        3,
-        3,
-        1.0,
-        0.1,
-    ),
+    "the run's own micro-steps": (3, 3, 1.0, 0.1),
+    "each micro-step past the probe's, its middle one": (3, 9, 1.0 + 6 * 0.3, 0.3),
+    "one micro-step": (1, 1, 1.0, 0.1),
 }
 
 
 @pytest.mark.parametrize("case", FITS)
-def test_a_probe_fits_the_whole_model_from_copies_one_and_two_layers_deep(case):
-    copies, layers, traced, accumulation, step_s, layer_forward_s = FITS[case]
-    found = measured(*copies, layers=layers, accumulation=traced)
-    assert found.fitted("step_s", accumulation) == pytest.approx(step_s)
-    assert found.fitted("layer_forward_s", accumulation) == pytest.approx(layer_forward_s)
+def test_a_probe_extrapolates_the_runs_micro_steps_from_its_middle_one(case):
+    traced, accumulation, step_s, layer_forward_s = FITS[case]
+    found = measured(accumulation=traced, micro_s=0.3 if traced > 2 else 0.0)
+    assert found.step_at(accumulation) == pytest.approx(step_s)
+    assert found.layer_forward_at(accumulation) == pytest.approx(layer_forward_s)
 
 
 def test_the_cores_other_work_took_are_the_busiest_hosts_less_the_runs_own():
@@ -103,17 +94,15 @@ def test_the_cores_other_work_took_are_the_busiest_hosts_less_the_runs_own():
     assert probe.others_share([("a", 1.0, None, 1.0)]) == 0.0  # no /proc/stat: unknown, not busy
 
 
-def test_a_real_probe_of_the_tiny_model_steps_its_copy_on_this_cpu():
-    """Two layers: the model is its own copy, stepped at three micro-steps (a global batch of twelve)."""
+def test_a_real_probe_steps_the_runs_own_model_on_this_cpu():
+    """The tiny model built as training builds it, stepped at three micro-steps (a global batch of twelve)."""
     cfg = parse_options(["--gpu=cpu", *TINY_STEP, "--global_batch_size=12", "--dry_run", "--world_size=1"])
     config = presets.build_model_config(validated(cfg))
     found = probe.on_this_cpu(cfg, config, 1)
-    (copy_,) = found.copies
-    assert (found.layers, found.accumulation, copy_.depth) == (2, 3, 2)
-    assert copy_.step_s > copy_.micro_s > 0 and copy_.layer_forward_s > 0 and found.seconds > 0
+    assert found.accumulation == 3 and found.step_s > found.micro_s > 0 and found.layer_forward_s > 0
     prediction = step_time.measured(found, 5, "this machine's CPU")
     assert (
-        prediction.step_s == pytest.approx(copy_.step_s + 2 * copy_.micro_s)
+        prediction.step_s == pytest.approx(found.step_s + 2 * found.micro_s)
         and prediction.basis == "measured"
     )
     assert re.fullmatch(r"predicted step: [\d.e-]+ s = 5 micro-steps of [\d.e-]+ s \+ the rest [\d.e-]+ s "
@@ -152,7 +141,7 @@ def test_a_roofline_is_a_range_and_says_it_is_not_measured():
 
 def test_a_probe_that_varied_is_refused_and_one_made_on_a_busy_machine_is_never_kept(tmp_path, capsys):
     holds_for = {"options": {"model": "tiny"}, "machine": {"device": "CPU, 2 cores"}}
-    quiet = step_time.measured(measured((1, 1.0, 0.4, 0.1, 0.05), (2, 1.2, 0.5, 0.2, 0.04)), 4, "here")
+    quiet = step_time.measured(measured(), 4, "here")
     assert step_time.refusal(quiet) is None and quiet.measured_well
     varied = dataclasses.replace(quiet, spread=0.8, others=0.4)
     assert step_time.refusal(varied) == (
@@ -191,7 +180,7 @@ def test_a_damaged_kept_prediction_is_one_warning_set_aside_and_predicted_anew(
     tmp_path, capsys, case, deadline
 ):
     holds_for = {"options": {"model": "tiny"}, "machine": {"device": "CPU, 2 cores"}}
-    quiet = step_time.measured(measured((1, 1.0, 0.4, 0.1, 0.05), (2, 1.2, 0.5, 0.2, 0.04)), 4, "here")
+    quiet = step_time.measured(measured(), 4, "here")
     if case in ODD:
         make_odd(tmp_path / step_time.KEPT, case)
     else:
@@ -206,7 +195,7 @@ def test_a_damaged_kept_prediction_is_one_warning_set_aside_and_predicted_anew(
 
 def test_a_kept_prediction_holds_only_for_its_options_and_machine(tmp_path, capsys):
     holds_for = {"options": {"model": "tiny", "batch_size": 4}, "machine": {"device": "CPU, 2 cores"}}
-    quiet = step_time.measured(measured((1, 1.0, 0.4, 0.1, 0.05), (2, 1.2, 0.5, 0.2, 0.04)), 4, "here")
+    quiet = step_time.measured(measured(), 4, "here")
     step_time.keep(tmp_path, quiet, holds_for)
     relaunched = {**holds_for, "options": {"model": "tiny", "batch_size": 1}}
     assert step_time.kept(tmp_path, relaunched) is None and capsys.readouterr().err == ""
@@ -236,7 +225,7 @@ def test_the_dry_run_says_its_basis_this_cpu_measured_a_reports_probe_or_a_roofl
     # The same report holding the benchmark's probe of this very configuration at this world size.
     cfg = parse_options(["--dry_run", "--gpu=cpu", "--world_size=2", *TINY_STEP])
     validated(cfg)
-    options = {name: getattr(cfg, name) for name in train_script.NAMES_THE_RUN}
+    options = {name: getattr(cfg, name) for name in train_options.names_the_run()}
     written(tmp_path, "named.yaml", {**cpu_report(host=socket.gethostname()), "model": probed(0.25, options)})
     code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=2", *TINY_STEP,
                          f"--benchmark_report={report}")  # fmt: skip
@@ -347,7 +336,7 @@ FIGURES_OUT_OF_RANGE = {
     ),
     "an infinite step": (
         lambda r: r.update(model=probed(step_s=float("inf"))),
-        "model.measured.copies row 0: step_s is inf, not between 1e-12 and 3600",
+        "model.measured.step_s is inf, not between 1e-12 and 3600",
     ),
     "ranks per node in text": (
         lambda r: r["world"].update(ranks_per_node="8"),
@@ -432,7 +421,7 @@ def test_a_cpu_report_of_another_host_or_a_broken_one_under_log_dir_is_passed_ov
 
 @SIMULATES
 def test_the_benchmark_probes_a_configuration_on_its_ranks_and_the_dry_run_predicts_from_it(tmp_path, capsys):
-    """benchmark.py --train_args on 2 processes steps copies of the run's model on its own process group; the
+    """benchmark.py --train_args on 2 processes steps the run's model on its own process group; the
     report's model section then gives the dry run of the same configuration its step, said so."""
     train_args = [*TINY_STEP, "--sharding=grad_op"]
     report = tmp_path / "probed.yaml"
@@ -441,11 +430,22 @@ def test_the_benchmark_probes_a_configuration_on_its_ranks_and_the_dry_run_predi
     assert done.returncode == 0, done.stderr[-3000:]
     model = read_report(report)["model"]
     assert model["world_size"] == 2 and model["options"]["sharding"] == "grad_op", model
-    (copy_,) = model["measured"]["copies"]  # two layers: the model is its own copy
-    assert copy_["depth"] == 2 and copy_["step_s"] > 0 and model["measured"]["accumulation"] == 1
+    assert model["measured"]["step_s"] > 0 and model["measured"]["accumulation"] == 1
     code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=2", *train_args,
                          f"--benchmark_report={report}")  # fmt: skip
     assert (
         code == 0
         and f"(from benchmark report {report}'s timings of this configuration on its 2 ranks)" in out
     )
+
+
+def test_a_run_that_probes_its_step_trains_exactly_as_one_that_does_not(tmp_path, train):
+    """The probe steps the run's own model before training sets its weights, on batches and with an optimizer
+    of its own, its random numbers put back: the losses after it are those of a run without it, bit for bit.
+    Two processes of ddp: a wrapper built before the weights are set."""
+    runs = {}
+    for probed in (True, False):
+        folder = tmp_path / str(probed)
+        train(folder, *TINY, "--sharding=ddp", "--max_steps=4", f"--predict={probed}", "--run_name=r")
+        runs[probed] = [record["loss"] for record in read_metrics(folder)]
+    assert len(runs[True]) == 4 and runs[True] == runs[False], runs

@@ -364,7 +364,7 @@ def test_a_broken_line_in_metrics_is_skipped_with_a_warning(tmp_path, capsys):
 
 
 def test_a_full_log_disk_ends_the_records_with_one_warning_not_the_run(tmp_path, capsys):
-    from run.run_log import RunLog
+    from run.progress.run_log import RunLog
 
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: No space left on device
     run_log = RunLog(types.SimpleNamespace(tensorboard=False, wandb=None), str(tmp_path))
@@ -379,7 +379,7 @@ def test_a_full_log_disk_ends_the_records_with_one_warning_not_the_run(tmp_path,
 def test_on_a_log_disk_that_fills_a_record_is_written_whole_or_not_at_all(small_disks, capsys):
     """A record that crossed the end of the disk's last free page was cut there, and the next launch's
     records were appended to the cut line."""
-    from run.run_log import RunLog
+    from run.progress.run_log import RunLog
 
     disk = small_disks(1)
     run_log = RunLog(types.SimpleNamespace(tensorboard=False, wandb=None), str(disk))

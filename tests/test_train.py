@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 from conftest import TINY, assert_ran, parse_options, read_metrics, run_training, together, validated
 
-from common.options import constants_of
+from run import options
 
 # The runs these tests compare share their first steps: warm-up lasts 10 steps, and a step's learning rate
 # before then does not depend on max_steps. So the first steps of the 60-step run are the 3- and 5-step
@@ -210,14 +210,55 @@ def test_help_lists_every_option_with_its_default_and_comment(capsys):
     assert all(f"\n{name}:" in out for name in ("model", "data", "sharding", "checkpoint_every", "dry_run"))
 
 
-def test_every_option_either_names_the_run_or_only_operates_it():
-    """A new option in neither list would be left out of the default run name, or put in it, by accident:
-    a relaunch would then start a new run, or resume one that computes something else."""
+# The options whose values name a run, as runs were named before the options stood in two blocks: a run name
+# and its checkpoints from then must still be found by a relaunch with the same options.
+NAMED_THE_RUN = {
+    "model", "init_from", "n_embd", "n_layer", "n_head", "n_positions", "vocab_size", "data", "batch_size",
+    "seq_length", "global_batch_size", "tokenizer", "text_column", "val_fraction", "lr", "min_lr",
+    "warmup_steps", "weight_decay", "grad_clip", "seed", "sharding", "shard_group_size", "cpu_offload",
+    "activation_checkpointing", "ac_every", "compile", "mixed_precision", "ckpt_format",
+}  # fmt: skip
+
+
+def test_every_option_stands_in_one_of_the_two_blocks_as_python_reads_it(tmp_path, monkeypatch):
+    """train.py's options, read from its source, are its constants as Python reads them, each in exactly one
+    block: what the run computes (these name the run) or how it is operated. The first block holds the
+    options that named a run before, and a run is named as then: a relaunch finds the run and its
+    checkpoints."""
     import train as train_script
 
-    names_it, operates_it = set(train_script.NAMES_THE_RUN), set(train_script.OPERATES_THE_RUN)
-    assert names_it.isdisjoint(operates_it)
-    assert names_it | operates_it == set(constants_of(train_script))
+    monkeypatch.chdir(tmp_path)  # the checks create the log and checkpoint folders
+    declared = options.declared()
+    assert {name: default for name, (default, _) in declared.items()} == {
+        name: getattr(train_script, name) for name in train_script.__annotations__ if not name.isupper()
+    }
+    assert all(hint == train_script.__annotations__[name] for name, (_, hint) in declared.items())
+    computes, operates = options.blocks()
+    assert set(computes).isdisjoint(operates) and [*computes, *operates] == list(declared)
+    assert set(computes) == NAMED_THE_RUN
+    args = parse_options(["--model=tiny", "--mixed_precision=fp32"])
+    validated(args)
+    assert args.run_name == "tiny-85af8441"  # the name this run had before
+
+
+def test_a_train_py_whose_blocks_are_not_two_is_one_line(tmp_path, monkeypatch, capsys):
+    """A user who edits the constants and loses a block's opening line is told so, in one line."""
+    import train as train_script
+
+    monkeypatch.chdir(tmp_path)
+    source = open(options.TRAIN_SCRIPT).read()
+    edited = tmp_path / "train.py"
+    edited.write_text(source.replace(options.OPERATES, "# Operating"))
+    monkeypatch.setattr(options, "TRAIN_SCRIPT", str(edited))
+    options.blocks.cache_clear()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            train_script.main(["--model=tiny", "--check_only"])
+    finally:
+        options.blocks.cache_clear()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{edited}: its options stand in two blocks" in err, err
 
 
 def test_the_run_name_follows_what_the_run_computes_and_nothing_else(tmp_path, monkeypatch):

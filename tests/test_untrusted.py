@@ -36,8 +36,8 @@ from checkpoint_tampering import (
 from conftest import TINY, launch, together
 from torch.distributed.checkpoint.metadata import Metadata
 
-from run.checkpoint_files import MANIFEST, file_checksum
-from run.safe_load import UnsafeFile, read_metadata
+from run.checkpoint.files import MANIFEST, file_checksum
+from run.checkpoint.safe_load import UnsafeFile, read_metadata
 
 RUN = [*TINY, "--seq_length=32", "--max_steps=4", "--checkpoint_every=2", "--run_name=r"]
 

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from common import suspects
 from common.files import read_json, write_atomically
-from run import goodput
 from run.job import requeue
 from run.job.benchmark_reports import (
     last_outcome,
@@ -37,6 +36,7 @@ from run.job.heartbeats import HEARTBEAT_S
 from run.job.launch import Failure, Watch
 from run.job.lines import JobError, Stopped, log, nodes, stopped
 from run.job.start import gpus_per_node, job_hosts, phase_arguments, spare_count, usable_nodes
+from run.progress import goodput
 
 # SIGUSR1 with more than EARLY_SIGNAL of the time limit left, beyond the SIGNAL_EARLINESS_S by which SLURM
 # may send it early (sbatch(1): "up to 60 seconds earlier than specified"): the signal's lead is longer than

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from common.errors import fail
-from run import safe_load
+from run.checkpoint import safe_load
 from run.model.presets import build_meta_model, decoder_layers
 
 
@@ -51,14 +51,15 @@ def init_rotary_embeddings(model, device):
                 setattr(module, name, buffer)
 
 
-def init_or_load(model, model_config, args):
-    """The model's weights: GPT-2's initialisation, or the pretrained ones of --init_from; under DDP, then the
-    wrapper, whose constructor broadcasts rank 0's weights."""
+def initialise(model, model_config, args):
+    """Sets the model's weights: GPT-2's initialisation, the same on every rank, or the pretrained ones of
+    --init_from, which rank 0 reads and hands to the others. Returns the model."""
+    inner = getattr(model, "module", model)  # inside DDP's wrapper
     if args.init_from:
-        load_pretrained(model, args.init_from)
+        load_pretrained(inner, args.init_from)
     else:
-        init_weights(model, model_config.initializer_range, model_config.num_hidden_layers, args.seed)
-    return torch.nn.parallel.DistributedDataParallel(model) if args.sharding == "ddp" else model
+        init_weights(inner, model_config.initializer_range, model_config.num_hidden_layers, args.seed)
+    return model
 
 
 def load_pretrained(model, name_or_path):
@@ -139,8 +140,8 @@ def checkpointed(index, args):
 
 
 def build_model(model_config, args, device, mesh, backend="inductor"):
-    """The model wrapped for training, weights allocated but not yet initialised (init_weights or
-    load_pretrained follow). backend: the compiler of each block (the dry run's simulates inductor's)."""
+    """The model wrapped for training (FSDP2, or DDP), weights allocated but not yet set (initialise follows).
+    backend: the compiler of each block (the dry run's simulates inductor's)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model = build_meta_model(model_config)
@@ -159,7 +160,7 @@ def build_model(model_config, args, device, mesh, backend="inductor"):
         # all-reduce is fp32 as FSDP's reduction is.
         if args.mixed_precision == "bf16":
             model.forward = torch.autocast(device.type, dtype=torch.bfloat16)(model.forward)
-        return model
+        return torch.nn.parallel.DistributedDataParallel(model)
     fsdp_kwargs = dict(mesh=mesh, mp_policy=precision_policy(args))
     if args.cpu_offload:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")

@@ -8,7 +8,7 @@ import types
 import torch
 
 from common.errors import ConfigError
-from run.options import missing_folder
+from common.model_folders import missing_folder
 
 # The presets are a table: the formatter leaves its layout alone.
 # fmt: off

@@ -30,7 +30,7 @@ def final_hidden_states(model, inputs):
 
 def model_loss(model, inputs, targets, chunk_tokens=None):
     """Mean next-token cross-entropy. The output layer and the loss run over chunks of the tokens, each
-    chunk's gradients computed in the forward (run/loss.py): the full fp32 logits, their log-softmax and
+    chunk's gradients computed in the forward (run/model/loss.py): the full fp32 logits, their log-softmax and
     gradient never exist together (a few GB at 4b and batch 8), and the backward recomputes nothing."""
     hidden = final_hidden_states(model, inputs).flatten(0, 1)
     targets = targets.flatten()

@@ -8,13 +8,14 @@ import time
 import types
 
 from common.datasheet import datasheet
-from run.curves import duration
+from common.errors import ConfigError
 from run.model.presets import flops_per_token, hardware_flops_per_token
 from run.options import gpu_memory_gb, launched_world_size
 from run.prediction import plan, probe, roofline
 from run.prediction.simulate import BLIND_SPOTS, DDP_ESTIMATE, OFFLOAD_ESTIMATE, simulate
 from run.prediction.step_time import measured
-from run.progress import describe_model
+from run.progress.curves import duration
+from run.progress.progress import describe_model
 from run.report_figures import newest_report, read_report
 
 NOT_PREDICTED = "data loading; the first step's compilation"
@@ -28,6 +29,10 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
     n_params = describe_model(args, shape, model_config, meta_model)
     if args.plan or plan.has_auto(args):
         started = time.perf_counter()
+        if args.gpu != "cpu" and not datasheet(args.gpu) and not args.benchmark_report:
+            raise ConfigError(f"--plan and the auto options rank candidates by their step, which nothing "
+                              f"gives for --gpu={args.gpu}: name a GPU of the datasheet (e.g. --gpu=H100) or "
+                              f"--benchmark_report")  # fmt: skip
         predictor = dry_run_predictor(args, world_size)
         rows = plan.plan(args, model_config, world_size, n_params, gpu_gb, predictor, names_the_run)
         if args.plan:
@@ -50,7 +55,8 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
     for name, gb in memory.items():
         print(f"  {name:<22} {gb:9.3f} GB")
     for estimated, note in ((args.sharding == "ddp", DDP_ESTIMATE), (args.cpu_offload, OFFLOAD_ESTIMATE)):
-        print(f"  {note}" if estimated else "", end="\n" if estimated else "")
+        if estimated:
+            print(f"  {note}")
     print(f"not simulated: {BLIND_SPOTS}")
     total = sum(memory.values())
     target = f"{gpu_gb:g} GB ({gpu_name})" if gpu_name else f"{gpu_gb:g} GB"
@@ -58,7 +64,11 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
     if total <= gpu_gb:
         print(f"verdict: fits, {gpu_gb - total:.1f} GB to spare")
         prediction = dry_run_predictor(args, world_size)(args, model_config, work, names_the_run)
-        print_prediction(args, prediction, world_size, model_flops, datasheet(args.gpu))
+        if prediction is None:
+            print(f"not predicted: the step, for want of figures of --gpu={args.gpu} (a GPU of the "
+                  f"datasheet, or --benchmark_report, gives them)")  # fmt: skip
+        else:
+            print_prediction(args, prediction, world_size, model_flops, datasheet(args.gpu))
         return 0
     for change in changes_that_might_fit(args):
         candidate = types.SimpleNamespace(**{**vars(args), **change})
@@ -73,7 +83,8 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
 
 
 def dry_run_predictor(args, world_size):
-    """How the dry run predicts a candidate's step: predictor(options, model_config, work, names_the_run)."""
+    """How the dry run predicts a candidate's step: predictor(options, model_config, work, names_the_run), a
+    Prediction, or None where nothing gives figures of the target (--gpu=80 without a report)."""
     path = args.benchmark_report or newest_report(args.log_dir, args.gpu)
     report = read_report(path) if path else None
 
@@ -83,14 +94,14 @@ def dry_run_predictor(args, world_size):
         accumulation = options.global_batch_size // (options.batch_size * world_size)
         if section.get("options") == same and section.get("world_size") == world_size:
             source = f"benchmark report {path}'s timings of this configuration on its {world_size} ranks"
-            return measured(probe.Measured.from_dict(section["measured"]), accumulation, source, "report")
+            return measured(probe.Measured(**section["measured"]), accumulation, source, "report")
         if options.gpu == "cpu" and not args.benchmark_report:
             found = probe.on_this_cpu(options, model_config, world_size)
             processes = f"{world_size} processes" if world_size > 1 else "one process"
             return measured(found, accumulation, f"this machine's CPU, {processes}")
         figures = roofline.from_report(path, report) if report else None
-        figures = figures or roofline.from_datasheet(options.gpu)
-        return roofline.predicted(work, figures, accumulation)
+        figures = figures or (roofline.from_datasheet(options.gpu) if datasheet(options.gpu) else None)
+        return roofline.predicted(work, figures, accumulation) if figures else None
 
     return predictor
 

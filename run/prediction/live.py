@@ -56,21 +56,12 @@ class LivePrediction:
         return fields
 
 
-def describe(record):
-    """The log line's part: 'step 0.412 s = 1.31x predicted (compute +0.09 s)'."""
-    if "vs_predicted" not in record:
-        return ""
-    return (
-        f" | {record['vs_predicted']:.2f}x predicted ({record['largest_difference']} "
-        f"{record['largest_difference_s']:+.3g} s)"
-    )
-
-
-def predict_own_step(args, model_config, mesh, device, log_folder, holds_for, model_flops):
-    """Before training, on every rank: this run's step measured on its own devices (a probe), or as an
-    earlier launch of the run kept it (run/prediction/step_time.py). Rank 0 prints it, keeps a prediction
-    measured well, and returns its LivePrediction; the other ranks None. A probe whose timed steps varied too
-    much is refused in one line, and training goes on without a prediction."""
+def predict_own_step(args, model, model_config, device, log_folder, holds_for, model_flops):
+    """Before training sets model's weights, on every rank: this run's step measured by stepping model on
+    dummy batches (run/prediction/probe.py), or as an earlier launch of the run kept it
+    (run/prediction/step_time.py). Rank 0 prints it, keeps a prediction measured well, and returns its
+    LivePrediction; the other ranks None. A probe whose timed steps varied too much is refused in one line,
+    and training goes on without a prediction."""
     from run.prediction import probe, step_time
     from run.prediction.dry_run import print_prediction
 
@@ -86,7 +77,7 @@ def predict_own_step(args, model_config, mesh, device, log_folder, holds_for, mo
         return LivePrediction(prediction)
     accumulation = args.global_batch_size // (args.batch_size * world_size)
     source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
-    prediction = step_time.measured(probe.measure(args, model_config, mesh, device), accumulation, source)
+    prediction = step_time.measured(probe.measure(args, model, model_config, device), accumulation, source)
     if not master:
         return None
     if refusal := step_time.refusal(prediction):

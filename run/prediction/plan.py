@@ -21,7 +21,6 @@ import torch.distributed as dist
 from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
 from common.node import available_memory_bytes
-from run.launch import device_mesh
 from run.prediction import probe
 from run.prediction.simulate import simulate
 
@@ -185,9 +184,8 @@ def fastest_measured(args, model_config, n_params, device):
     steps = []
     for change in fitting[0]:
         candidate = types.SimpleNamespace(**{**vars(args), **change})
-        mesh = device_mesh(candidate, device.type, world_size, local)
         accumulation = candidate.global_batch_size // (candidate.batch_size * world_size)
-        steps.append(probe.measure(candidate, model_config, mesh, device).fitted("step_s", accumulation))
+        steps.append(probe.build_and_measure(candidate, model_config, device, local).step_at(accumulation))
     return fitting[0][steps.index(min(steps))]
 
 

@@ -1,14 +1,14 @@
-"""The step measured where it will run: copies of the model one and two decoder layers deep (or the model
-itself, when it has two or fewer), built, wrapped, compiled and stepped exactly as training builds and steps
-it, on the run's own process group and devices, at its micro-batch, with its threads, on every rank at once.
-Every decoder layer is the same, so the step of L layers is the one-layer step plus L - 1 times what the
-second layer added; and every micro-step past the probe's costs what its middle one cost. What the copies
-measure holds everything a step does: kernels as compiled, recomputation, FSDP's copies and hooks, the
-collectives at their real sizes on the real links, the optimizer, the host's own time. Nothing is modelled
-but that linearity.
+"""The step measured where it will run: the run's own model, built, wrapped and compiled as training builds
+it, stepped on dummy batches with an optimizer of its own before training sets its weights, on the run's
+process group and devices, at its micro-batch, with its threads, every rank at once. A step of the run's
+many micro-steps is its probed step of at most five plus, for each micro-step more, what the middle ones of
+those five cost on average (not the first, which takes the gradients' memory anew, nor the last, which
+reduces them under DDP and steps). Nothing else is modelled: kernels as compiled, recomputation, FSDP's
+copies and hooks, the collectives at their real sizes on the real links, the optimizer and the host's own
+time are in the step.
 
-A probe says how well it measured: how much its timed steps varied (spread), and on a CPU how much of the
-machine's cores other work used meanwhile. A prediction is kept for later launches only if both were low."""
+A probe says how well it measured: how far apart its timed steps lay (spread), and on a CPU how much of the
+machine's cores other work took meanwhile. A prediction is kept for later launches only if both were low."""
 
 import copy
 import dataclasses
@@ -23,67 +23,42 @@ import time
 import torch
 import torch.distributed as dist
 
+from run.health.stragglers import RankTimes
 from run.launch import device_mesh
-from run.model.build import build_model, init_or_load
+from run.model.build import build_model, init_weights
 from run.model.presets import decoder_layers
 from run.model.step import build_optimizer, train_step
 from run.stops import StopRequests
-from run.stragglers import RankTimes
 
-# Steps of each copy: the first compiles and allocates the optimizer's state, the second still finds the
-# allocator settling (measured on a CPU: 5-15% slower than the third); then the median of the timed ones.
-WARMUP_STEPS, TIMED_STEPS = 2, 3
-
-
-@dataclasses.dataclass
-class Copy:
-    """One copy of the model, depth layers deep, stepped at accumulation micro-steps: median seconds of its
-    step, of a micro-step between its first and its last (0 with fewer than three), of its decoder layers'
-    forward, and its spread."""
-
-    depth: int
-    step_s: float
-    micro_s: float
-    layer_forward_s: float
-    spread: float
+# A step of one micro-step first, which compiles and takes the optimizer's state; then two timed steps of up
+# to MICRO_STEPS micro-steps, and a third where those two lay more than STEADY apart on any rank (the median
+# of three then counts). A micro-step is the mean of those between the first and the last of a step (the
+# first takes the gradients' memory anew, the last runs into the optimizer). Four probes of the tiny model on
+# one quiet 2-core machine: 8.3-9.9 s a step from one micro-step, 8.8-9.7 s from three; its training steps
+# took 8.6-9.3 s.
+MICRO_STEPS, STEADY = 5, 0.05
 
 
 @dataclasses.dataclass
 class Measured:
-    """A probe's figures: the copies, the micro-steps each step took (accumulation), the share of the busiest
-    host's cores that other work used while it ran (others, CPU only), and its wall time."""
+    """A probe's figures, each the median rank's median over the timed steps: the step at `accumulation`
+    micro-steps, its middle micro-steps' mean (0 with fewer than three), its decoder layers' forward; how far
+    apart the timed steps lay (spread, the worst rank's); the share of the busiest host's cores other work
+    took while they ran (others, CPU only); the probe's wall time."""
 
-    layers: int
     accumulation: int
-    copies: list
+    step_s: float
+    micro_s: float
+    layer_forward_s: float
+    spread: float
     others: float
     seconds: float
 
-    def fitted(self, field, accumulation):
-        """field (step_s or layer_forward_s) of the whole model at `accumulation` micro-steps."""
-        one = self.copies[0]
-        value, micro = getattr(one, field), one.micro_s
-        if len(self.copies) == 2:  # depths 1 and 2: each layer past the first adds what the second did
-            two = self.copies[1]
-            value += (self.layers - 1) * max(0.0, getattr(two, field) - getattr(one, field))
-            micro += (self.layers - 1) * max(0.0, two.micro_s - one.micro_s)
-        if field == "layer_forward_s":
-            return value / self.accumulation * accumulation
-        return value + (accumulation - self.accumulation) * micro
+    def step_at(self, accumulation):
+        return self.step_s + (accumulation - self.accumulation) * self.micro_s
 
-    @property
-    def spread(self):
-        return max(copy.spread for copy in self.copies)
-
-    @staticmethod
-    def from_dict(record):
-        return Measured(**{**record, "copies": [Copy(**copy) for copy in record["copies"]]})
-
-
-def at_depth(model_config, depth):
-    shallow = copy.deepcopy(model_config)
-    shallow.num_hidden_layers = depth
-    return shallow
+    def layer_forward_at(self, accumulation):
+        return self.layer_forward_s / self.accumulation * accumulation
 
 
 def mark(device):
@@ -99,13 +74,30 @@ def between(start, end):
     return start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
 
 
-def step_copy(args, model_config, mesh, device, accumulation):
-    """This rank's (step seconds, middle micro-step seconds, layer forward seconds) of each timed step of one
-    copy, and (its CPU seconds, its host's busy seconds, wall seconds) over them; the copy is freed before it
-    returns."""
-    options = copy.copy(args)
-    options.init_from = None  # a copy is initialised, never loaded: its weights' values do not matter
-    model = init_or_load(build_model(model_config, options, device, mesh), model_config, options)
+def measure(args, model, model_config, device):
+    """Steps model (built for training by run/model/build.py; its weights are set here, and must be set afresh
+    after) on every rank of the process group at once: a Measured, the same on every rank."""
+    world_size = dist.get_world_size()
+    accumulation = min(MICRO_STEPS, args.global_batch_size // (args.batch_size * world_size))
+    started = time.perf_counter()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        inner = getattr(model, "module", model)
+        init_weights(inner, model_config.initializer_range, model_config.num_hidden_layers, args.seed)
+        timings, usage = timed_steps(args, model, model_config, device, accumulation)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, (timings, (socket.gethostname(), *usage)))
+    medians = [[statistics.median(column) for column in zip(*rank)] for rank, _ in everyone]
+    step_s, micro_s, layer_forward_s = (statistics.median(column) for column in zip(*medians))
+    spread = max(spread_of([step for step, _, _ in rank]) for rank, _ in everyone)
+    others = others_share([rank_usage for _, rank_usage in everyone]) if device.type == "cpu" else 0.0
+    seconds = time.perf_counter() - started
+    return Measured(accumulation, step_s, micro_s, layer_forward_s, spread, others, seconds)
+
+
+def timed_steps(args, model, model_config, device, accumulation):
+    """This rank's (step seconds, middle micro-steps' mean seconds, layer forward seconds) of each timed step,
+    and (its CPU seconds, its host's busy seconds, wall seconds) over them. The optimizer and the gradients
+    are freed before it returns."""
     optimizer = build_optimizer(model, args, fused=device.type == "cuda")
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(
@@ -115,10 +107,10 @@ def step_copy(args, model_config, mesh, device, accumulation):
     layer_times = RankTimes(decoder_layers(model), device, args.compile)
     micro_starts = []
     hook = model.register_forward_pre_hook(lambda *_: micro_starts.append(mark(device)))
-    timings, usage = [], None
-    for index in range(WARMUP_STEPS + TIMED_STEPS):
-        if index == WARMUP_STEPS:  # compiling (its workers' time too) is over: others' use is measured now
-            usage = (own_cpu_seconds(), host_busy_seconds(), time.perf_counter())
+    train_step(model, batches, optimizer, 1, args.grad_clip, StopRequests())
+    usage = (own_cpu_seconds(), host_busy_seconds(), time.perf_counter())  # compiling's workers are done
+
+    def timed():
         micro_starts.clear()
         layer_times.read()
         start = mark(device)
@@ -126,19 +118,23 @@ def step_copy(args, model_config, mesh, device, accumulation):
         end = mark(device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        # a middle micro-step: not the first (which takes the gradients' memory anew), nor the last (which
-        # reduces them under DDP, then clips and steps)
-        micro = between(micro_starts[1], micro_starts[2]) if accumulation > 2 else 0.0
-        if index >= WARMUP_STEPS:
-            timings.append((between(start, end), micro, layer_times.read()[0]))
+        middle = accumulation - 2
+        micro = between(micro_starts[1], micro_starts[-1]) / middle if middle > 0 else 0.0
+        return between(start, end), micro, layer_times.read()[0]
+
+    timings = [timed(), timed()]
+    apart = torch.tensor(float(spread_of([step for step, _, _ in timings]) > STEADY), device=device)
+    dist.all_reduce(apart, op=dist.ReduceOp.MAX)  # every rank takes the third step, or none
+    if apart.item():
+        timings.append(timed())
     cpu, busy, wall = own_cpu_seconds(), host_busy_seconds(), time.perf_counter()
-    usage = (cpu - usage[0], None if busy is None else busy - usage[1], wall - usage[2])
     hook.remove()
-    del model, optimizer, layer_times
+    layer_times.remove()
+    optimizer = None  # its state freed before training's is taken
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return timings, usage
+    return timings, (cpu - usage[0], None if busy is None else busy - usage[1], wall - usage[2])
 
 
 def host_busy_seconds():
@@ -171,37 +167,21 @@ def others_share(everyone):
     )
 
 
-def measure(args, model_config, mesh, device):
-    """The probe, on every rank of the process group at once: a Measured, the same on every rank."""
-    world_size = dist.get_world_size()
-    accumulation = min(3, args.global_batch_size // (args.batch_size * world_size))
-    layers = model_config.num_hidden_layers
-    depths = (layers,) if layers <= 2 else (1, 2)
-    started = time.perf_counter()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        mine = [
-            step_copy(args, at_depth(model_config, depth), mesh, device, accumulation) for depth in depths
-        ]
-    cpu, busy, wall = (sum(usage[part] for _, usage in mine) if all(u[part] is not None for _, u in mine)
-                       else None for part in range(3))  # fmt: skip
-    everyone = [None] * world_size
-    dist.all_gather_object(
-        everyone, ([timings for timings, _ in mine], (socket.gethostname(), cpu, busy, wall))
-    )
-    copies = []
-    for index, depth in enumerate(depths):
-        per_rank = [timings[index] for timings, _ in everyone]
-        medians = [[statistics.median(column) for column in zip(*rank)] for rank in per_rank]
-        spreads = [spread([step for step, _, _ in rank]) for rank in per_rank]
-        step_s, micro, layer_forward = (statistics.median(column) for column in zip(*medians))
-        copies.append(Copy(depth, step_s, micro, layer_forward, max(spreads)))
-    others = others_share([rank_usage for _, rank_usage in everyone]) if device.type == "cpu" else 0.0
-    return Measured(layers, accumulation, copies, others, time.perf_counter() - started)
-
-
-def spread(seconds):
+def spread_of(seconds):
     """How far apart the timed steps lie: (slowest - fastest) / median."""
     return (max(seconds) - min(seconds)) / statistics.median(seconds)
+
+
+def build_and_measure(args, model_config, device, local_world_size):
+    """Builds the run's model on the process group as training would and probes it; the model is freed."""
+    mesh = device_mesh(args, device.type, dist.get_world_size(), local_world_size)
+    model = build_model(model_config, args, device, mesh)
+    found = measure(args, model, model_config, device)
+    del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return found
 
 
 def on_this_cpu(options, model_config, world_size):
@@ -216,7 +196,7 @@ def on_this_cpu(options, model_config, world_size):
         store = os.path.join(folder, "store")
         mp.start_processes(probe_process, (world_size, store, options, model_config, results), world_size,
                            start_method="spawn")  # fmt: skip
-    return Measured.from_dict(results.get())
+    return Measured(**results.get())
 
 
 def probe_process(rank, world_size, store, options, model_config, results):
@@ -229,8 +209,7 @@ def probe_process(rank, world_size, store, options, model_config, results):
 def probe_in(rank, world_size, store, options, model_config):
     dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
     try:
-        mesh = device_mesh(options, "cpu", world_size, world_size)
-        return measure(options, model_config, mesh, torch.device("cpu"))
+        return build_and_measure(copy.copy(options), model_config, torch.device("cpu"), world_size)
     finally:
         dist.destroy_process_group()
 
@@ -238,6 +217,5 @@ def probe_in(rank, world_size, store, options, model_config):
 def benchmark_section(args, model_config, naming, device, local_world_size):
     """benchmark.py --train_args's model section: the run's configuration probed on the cluster as it will
     train, every rank at once, with the options that name the run, for a dry run to match."""
-    world_size = dist.get_world_size()
-    found = measure(args, model_config, device_mesh(args, device.type, world_size, local_world_size), device)
-    return {"options": naming, "world_size": world_size, "measured": dataclasses.asdict(found)}
+    found = build_and_measure(args, model_config, device, local_world_size)
+    return {"options": naming, "world_size": dist.get_world_size(), "measured": dataclasses.asdict(found)}

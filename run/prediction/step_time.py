@@ -57,15 +57,12 @@ class Prediction:
         return f"predicted step: {self.step_s:.3g} s{parts} ({where})"
 
 
-def measured(measured_probe, accumulation, source, basis="measured"):
+def measured(probed, accumulation, source, basis="measured"):
     """The Prediction of a probe (run/prediction/probe.py's Measured) at the run's accumulation."""
-    step = measured_probe.fitted("step_s", accumulation)
-    micro = measured_probe.fitted("step_s", 4) - measured_probe.fitted("step_s", 3)
-    return Prediction(
-        step, step, step, basis, source, accumulation, micro if measured_probe.accumulation > 2 else 0.0,
-        measured_probe.fitted("layer_forward_s", accumulation), measured_probe.spread, measured_probe.others,
-        measured_probe.seconds,
-    )  # fmt: skip
+    step = probed.step_at(accumulation)
+    return Prediction(step, step, step, basis, source, accumulation, probed.micro_s,
+                      probed.layer_forward_at(accumulation), probed.spread, probed.others,
+                      probed.seconds)  # fmt: skip
 
 
 def refusal(prediction):

@@ -19,9 +19,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import train  # noqa: E402
-from common.options import constants_of, parse_args  # noqa: E402
-from run import checkpoints  # noqa: E402
+from run import options  # noqa: E402
+from run.checkpoint import checkpointer as checkpoints  # noqa: E402
+from run.data.batches import open_batches  # noqa: E402
+from run.model.build import build_model  # noqa: E402
+from run.model.presets import build_model_config  # noqa: E402
+from run.model.step import build_optimizer  # noqa: E402
 
 
 def disk_write_gbps(folder, n_bytes, chunk=64 << 20):
@@ -62,7 +65,7 @@ def main():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = parse_args(
+    cfg = options.parse(
         [
             f"--model={args.model}",
             "--compile=False",
@@ -71,19 +74,18 @@ def main():
             "--run_name=bench",
             "--keep_last=0",
         ],
-        constants_of(train),
     )
-    shape = train.complete_and_check(cfg)
-    config = train.build_model_config(shape)
+    shape = options.complete_and_check(cfg)
+    config = build_model_config(shape)
     device = torch.device("cpu")
-    model = train.build_model(config, cfg, device, init_device_mesh("cpu", (1,)))
-    optimizer = train.build_optimizer(model, cfg, fused=device.type == "cuda")
+    model = build_model(config, cfg, device, init_device_mesh("cpu", (1,)))
+    optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     for param in model.parameters():  # one step so the AdamW moments exist and are saved
         param.grad = torch.randn_like(param)
     optimizer.step()
     n_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # weights + 2 moments
-    batches = train.open_batches(cfg, shape, None, 1, 0, 1, device)[0]
+    batches = open_batches(cfg, shape, None, 1, 0, 1, device)[0]
 
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)

@@ -23,7 +23,8 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 import train  # noqa: E402
-from run import prepare as token_files  # noqa: E402
+from run.data import batches  # noqa: E402
+from run.data import prepare as token_files  # noqa: E402
 
 H200_4B_TOKENS_PER_S = 20_000  # a 4B model at 50% MFU on one H200
 GOAL = 50  # the loader must deliver at least this multiple of it
@@ -105,9 +106,9 @@ def main():
         cfg = SimpleNamespace(batch_size=args.batch_size, seq_length=args.seq_length, seed=0)
         tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
         n_windows = (len(tokens) - 1) // args.seq_length
-        window = functools.partial(train.token_window, tokens, args.seq_length)
+        window = functools.partial(batches.token_window, tokens, args.seq_length)
         batch_tokens = args.batch_size * args.seq_length
-        windows = train.WindowBatches(
+        windows = batches.WindowBatches(
             window,
             n_windows,
             cfg,
@@ -131,7 +132,7 @@ def main():
         pq.write_table(pa.table({"text": lines}), parquet / "train.parquet")
         tokenize = token_files.tokenize_documents(AutoTokenizer.from_pretrained(tokenizer_dir), "text")
         documents = load_dataset(str(parquet), split="train", streaming=True).map(tokenize, batched=True)
-        stream = train.StreamingBatches(
+        stream = batches.StreamingBatches(
             documents, cfg, accumulation=4, device=torch.device("cpu"), prefetch=True
         )
         stream_rate = loader_rate(stream, batch_tokens)

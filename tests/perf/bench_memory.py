@@ -19,10 +19,9 @@ import torch.multiprocessing as mp
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-import train as train_script  # noqa: E402
-from common.options import constants_of, parse_args  # noqa: E402
+from run import options  # noqa: E402
 from run.launch import device_mesh  # noqa: E402
-from run.model.build import build_model, init_or_load, never_packed_sequences  # noqa: E402
+from run.model.build import build_model, initialise, never_packed_sequences  # noqa: E402
 from run.model.presets import build_model_config  # noqa: E402
 from run.model.step import build_optimizer, train_step  # noqa: E402
 from run.prediction.simulate import simulate_step  # noqa: E402
@@ -35,8 +34,8 @@ BOUNDARIES = GLOO_OPS + OPTIMIZER
 
 
 def options_of(argv):
-    args = parse_args(argv, constants_of(train_script))
-    shape = train_script.complete_and_check(args)
+    args = options.parse(argv)
+    shape = options.complete_and_check(args)
     never_packed_sequences()
     return args, build_model_config(shape, None, args.vocab_size)
 
@@ -49,7 +48,7 @@ def real_peak(rank, world_size, store, argv, results):
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     profiler.start()
     mesh = device_mesh(args, "cpu", world_size, world_size)
-    model = init_or_load(build_model(config, args, torch.device("cpu"), mesh), config, args)
+    model = initialise(build_model(config, args, torch.device("cpu"), mesh), config, args)
     optimizer = build_optimizer(model, args, fused=False)
     tokens = torch.randint(0, config.vocab_size, (args.batch_size, args.seq_length))
     accumulation = args.global_batch_size // (args.batch_size * world_size)

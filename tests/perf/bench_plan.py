@@ -1,6 +1,7 @@
-"""How good the planner's pick is (train.py --plan, run/plan.py): every candidate the plan lists as fitting is
-trained for real on this machine's CPU with gloo, and the pick (the plan's first row, the fastest predicted)
-is held against the fastest measured. The target: the pick's measured step within 5% of the fastest's.
+"""How good the planner's pick is (train.py --plan, run/prediction/plan.py): every candidate the plan lists
+as fitting is trained for real on this machine's CPU with gloo, and the pick (the plan's first row, the
+fastest predicted) is held against the fastest measured. The target: the pick's measured step within 5% of
+the fastest's.
 
     python tests/perf/bench_plan.py                    # tiny on 1 and 2 processes: about 40 minutes
     python tests/perf/bench_plan.py --layouts=1 --limit=6 --json=plan.json
@@ -56,8 +57,8 @@ def candidate_options(row):
 
 
 def parse_plan(stdout):
-    """The rows of run/plan.py's print_plan, fastest predicted first: the candidate, its predicted step and
-    peak; (None, why) where the output is not a plan whose row count matches its headline."""
+    """The rows of run/prediction/plan.py's print_plan, fastest predicted first: the candidate, its predicted
+    step and peak; (None, why) where the output is not a plan whose row count matches its headline."""
     headline = re.search(r"^plan: (\d+) of (\d+) candidates fit", stdout, re.M)
     if not headline:
         return None, "no plan headline"

@@ -80,6 +80,7 @@ def measure(row, folder, repeats, env):
     figures = {"measured_s": measured, "runs_s": steps, "spread": (max(steps) - min(steps)) / measured,
                "measured": [error(run["predicted_s"], run["measured_s"]) for run in runs],
                "lines": [run["line"] for run in runs],
+               "probes": [{k: run[k] for k in ("spread", "others", "probe_s", "not_kept")} for run in runs],
                "to_first_step_s": [run["seconds_to_first_step"] for run in runs]}  # fmt: skip
     report = benchmark_report(processes, train_args, folder, env)
     if isinstance(report, dict):

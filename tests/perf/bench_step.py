@@ -32,8 +32,16 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-import train  # noqa: E402  (a script of this repo, beside which this one runs)
-from common.options import constants_of, parse_args  # noqa: E402
+from run import options  # noqa: E402
+from run.model.build import build_model, initialise, never_packed_sequences  # noqa: E402
+from run.model.presets import (  # noqa: E402
+    build_meta_model,
+    build_model_config,
+    decoder_layers,
+    flops_per_token,
+    resolve_shape,
+)
+from run.model.step import build_optimizer, train_step  # noqa: E402
 from run.stops import StopRequests  # noqa: E402
 
 # The shape a user compares against nanoGPT's train.py: 6 layers, 384 wide, 6 heads, GPT-2's vocabulary.
@@ -70,8 +78,8 @@ def train_options(bench):
         f"--compile={bench.compile}",
         "--data=dummy",
     ]
-    args = parse_args(argv, constants_of(train))
-    train.complete_and_check(args)  # fills in what train.py's would
+    args = options.parse(argv)
+    options.complete_and_check(args)  # fills in what train.py's would
     return args
 
 
@@ -87,22 +95,22 @@ def start_process_group():
 
 
 def model_config_of(args, attention):
-    shape = train.resolve_shape(args)
-    model_config = train.build_model_config(shape)
+    shape = resolve_shape(args)
+    model_config = build_model_config(shape)
     model_config._attn_implementation = attention
     return model_config
 
 
 def train_path(args, model_config, device, mesh):
     """train.py's step over its own model: returns one step as a function."""
-    train.never_packed_sequences()
-    model = train.build_model(model_config, args, device, mesh)
-    model = train.init_or_load(model, model_config, args)
-    optimizer = train.build_optimizer(model, args, fused=device.type == "cuda")
+    never_packed_sequences()
+    model = build_model(model_config, args, device, mesh)
+    model = initialise(model, model_config, args)
+    optimizer = build_optimizer(model, args, fused=device.type == "cuda")
     stop_requests = StopRequests()
 
     def step(batch):
-        return train.train_step(model, iter([batch]), optimizer, 1, args.grad_clip, stop_requests)[0]
+        return train_step(model, iter([batch]), optimizer, 1, args.grad_clip, stop_requests)[0]
 
     return step
 
@@ -114,7 +122,7 @@ def plain_path(args, model_config, device):
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32).to(device)
     if args.compile:
-        for block in train.decoder_layers(model):
+        for block in decoder_layers(model):
             block.compile()
     model.train()
     optimizer = torch.optim.AdamW(
@@ -174,8 +182,8 @@ def counted_flops(step, batch):
 def flop_ratios(args, model_config, device, mesh, batch):
     """Each path's FLOPs over one step, counted with eager attention and no compile, over the model FLOPs.
     One path's model at a time, for a GPU's memory."""
-    meta = train.build_meta_model(model_config)
-    model_flops = train.flops_per_token(meta, model_config, args.seq_length) * batch[0].numel()
+    meta = build_meta_model(model_config)
+    model_flops = flops_per_token(meta, model_config, args.seq_length) * batch[0].numel()
     eager, eager_args = model_config_of(args, "eager"), argparse.Namespace(**dict(vars(args), compile=False))
     builders = {
         "train_step": lambda: train_path(eager_args, eager, device, mesh),
@@ -226,7 +234,7 @@ def main():
         paths.clear()  # the timed models go before the counted ones come, for a GPU's memory
         free_memory(device)
         figures.update(flop_ratios(args, model_config, device, mesh, batch))
-    shape = train.resolve_shape(args)
+    shape = resolve_shape(args)
     print(
         f"device {device}, torch {torch.__version__}: {shape.n_layer} layers x {shape.n_embd}, "
         f"{shape.n_head} heads, vocabulary {model_config.vocab_size}, batch {bench.batch_size} x "

@@ -24,7 +24,8 @@ MODELS = {
     "gpt2": ["--model=gpt2"],
 }
 # A prediction line: its step (or a roofline's range) and its basis in brackets
-PREDICTED = re.compile(r"^predicted step: ([\d.e+-]+)(?:-([\d.e+-]+))? s.*", re.M)
+NUMBER = r"[\d.]+(?:e[+-]?\d+)?"
+PREDICTED = re.compile(rf"^predicted step: ({NUMBER})(?:-({NUMBER}))? s.*", re.M)
 REFUSED = re.compile(r"^not predicted: (.*)$", re.M)
 
 
@@ -70,8 +71,13 @@ def trained(processes, train_args, folder, steps, log_every, env=None):
     windows = [json.loads(record)["step_time_s"] for record in metrics.read_text().splitlines()][1:]
     predicted, _, line = prediction_of(done.stdout)
     first = re.search(r"^time to first step: ([\d.]+) s", done.stdout, re.M)
+    kept = folder / "logs" / "r" / "prediction.json"
+    probe = json.loads(kept.read_text())["prediction"] if kept.exists() else {}
+    note = re.search(r"^note: this prediction is not kept.*$", done.stdout, re.M)
     return {"measured_s": statistics.median(windows), "windows_s": windows, "predicted_s": predicted,
-            "line": line, "seconds_to_first_step": float(first[1]) if first else None}  # fmt: skip
+            "line": line, "seconds_to_first_step": float(first[1]) if first else None,
+            "spread": probe.get("spread"), "others": probe.get("others"), "probe_s": probe.get("probe_s"),
+            "not_kept": note[0] if note else None}  # fmt: skip
 
 
 def benchmark_report(processes, train_args, folder, env=None):

@@ -27,7 +27,7 @@ CLASSES = [
     ("matmul", r"gemm|xmma|cutlass|nvjet|cublas|matmul|addmm|\bmm\b|linear|wgmma|sm90"),
 ]
 OPTIMIZER_RANGE = re.compile(r"Optimizer\.step")
-LOSS_RANGE = "linear_cross_entropy"  # named in run/loss.py
+LOSS_RANGE = "linear_cross_entropy"  # named in run/model/loss.py
 
 
 def load_events(path):

@@ -1,9 +1,8 @@
 """Checkpoints: <checkpoint_dir>/<run_name>/step_<N>/, written under a temporary name and renamed once every
 rank has finished, so a folder named step_<N> is always complete. Its manifest.json holds a CRC-32 checksum
-of every other file, checked before any tensor is loaded (run/checkpoint_files.py); an unusable checkpoint is
-named, set aside (run/set_aside.py) and skipped for the one before it. The checksums find accidents;
-run/safe_load.py keeps a deliberately changed file from running code, reading beyond its folder or loading
-another model's tensors."""
+of every other file, checked before any tensor is loaded (files.py); an unusable checkpoint is named, set
+aside (set_aside.py) and skipped for the one before it. The checksums find accidents; safe_load.py keeps a
+deliberately changed file from running code, reading beyond its folder or loading another model's tensors."""
 
 import json
 import os
@@ -23,15 +22,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common.errors import exit_after_the_speaker, fail
-from run.checkpoint_files import MANIFEST, checkpoint_problem, file_checksum, read_json
-from run.checkpoint_schedule import CheckpointSchedule, benchmark_write_GBps
-from run.safe_load import UnsafeFile, load_file, load_full, load_sharded
-from run.set_aside import recorded, set_aside, set_aside_as_unusable, set_aside_unusable
+from run.checkpoint.files import MANIFEST, checkpoint_problem, file_checksum, read_json
+from run.checkpoint.safe_load import UnsafeFile, load_file, load_full, load_sharded
+from run.checkpoint.schedule import CheckpointSchedule, benchmark_write_GBps
+from run.checkpoint.set_aside import recorded, set_aside, set_aside_as_unusable, set_aside_unusable
 
 # Options a checkpoint's optimizer and schedule carry values of, which a relaunch may change: the learning
 # rate and its schedule, weight decay, clipping and the run's length (where the cosine decay ends).
 RESUMED_OPTIONS = ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "max_steps", "num_epochs")
-DECAYED_GROUP = 0  # train.py's build_optimizer puts the weights that decay in the first parameter group
+# run/model/step.py's build_optimizer puts the weights that decay in the first parameter group
+DECAYED_GROUP = 0
 
 
 def checkpoint_steps(run_dir):
@@ -91,7 +91,7 @@ class Checkpointer:
     """Saves and restores everything an exact resume needs: model, optimizer, schedule, step, tokens
     seen, data position, RNG states and the config. Tensors go through torch.distributed.checkpoint;
     the rest is JSON and a small per-rank file of RNG states and data position. Loading unpickles nothing
-    but plain data (run/safe_load.py)."""
+    but plain data (run/checkpoint/safe_load.py)."""
 
     def __init__(self, args, shape, rank, world_size, n_params):
         self.args, self.shape, self.rank, self.world_size = args, shape, rank, world_size
@@ -225,8 +225,8 @@ class Checkpointer:
     def prune(self):
         """Keeps the newest keep_last checkpoints: the newest save and those before it, once a finite step
         after it, or the run's end, has shown its weights sound; a non-finite one sets it aside
-        (run/stops.py), and those before it are still there. A later step is no older checkpoint of this
-        line (one that could not be resumed), and is never removed here."""
+        (run/health/non_finite.py), and those before it are still there. A later step is no older checkpoint
+        of this line (one that could not be resumed), and is never removed here."""
         step, self.unpruned = self.unpruned, None
         if step is not None and self.args.keep_last:
             older = [old for old in checkpoint_steps(self.run_dir) if old < step]
@@ -293,8 +293,8 @@ class Checkpointer:
 
     def pass_over(self, passed, usable):
         """The unusable checkpoints a resume passes over for usable, each said in a warning. Those of this run
-        are first set aside in <run>/unusable_<time>/ (run/set_aside.py), never removed: the save of their
-        step would replace them. Another run's checkpoints (--resume_from) are only read."""
+        are first set aside in <run>/unusable_<time>/ (set_aside.py), never removed: the save of their step
+        would replace them. Another run's checkpoints (--resume_from) are only read."""
         own = [path for path, _ in passed if self.of_this_run(path)]
         moved = [set_aside_unusable(self.run_dir, own) if self.rank == 0 and own else None]
         if own:
@@ -317,7 +317,7 @@ class Checkpointer:
     def rewind(self, resume_from):
         """--resume_from=<this run>/step_K with later checkpoints: the run is rewound to step K. Its later
         checkpoints, the old future, are set aside (moved into <run>/rewound_<time>/, never removed, never
-        resumed from) and the rewind recorded (run/set_aside.py), so that the run keeps one line of
+        resumed from) and the rewind recorded (run/checkpoint/set_aside.py), so that the run keeps one line of
         checkpoints. A launch of the same command once that line has gone on (a requeued job), or naming a
         checkpoint an earlier launch set aside as unusable, continues it: returns None, the newest checkpoint
         of the run, instead of rewinding again. A checkpoint of another run is only read (a branch into this

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from common.node import node_name
-from common.stragglers import slower_than_peers
+from common.stragglers import describe_straggler, slower_than_peers
 from common.suspects import suspects_folder, write_suspects
 
 STRAGGLER_LOG_WINDOWS = 3  # named in this many log windows in a row: a warning to exclude its node
@@ -29,9 +29,13 @@ class RankTimes:
         # The hooks run inside a compiled block's call: traced into its graph, they would time the tracing
         # once. Only imported when compiling: torch.compiler imports dynamo, a second of every start.
         outside_graph = torch.compiler.disable if compiled else lambda hook: hook
-        for layer in layers:
-            layer.register_forward_pre_hook(outside_graph(self.start))
-            layer.register_forward_hook(outside_graph(self.stop))
+        self.hooks = [hook for layer in layers for hook in (
+            layer.register_forward_pre_hook(outside_graph(self.start)),
+            layer.register_forward_hook(outside_graph(self.stop)))]  # fmt: skip
+
+    def remove(self):
+        for hook in self.hooks:
+            hook.remove()
 
     def start(self, module, args):
         if torch.is_grad_enabled():  # training, not evaluation
@@ -107,13 +111,6 @@ class Stragglers:
             if streak == self.exclude_after:
                 self.exclude(node, f"straggler: {name} {streak} log windows in a row, {figures}")
         return {**medians, "stragglers": named}
-
-
-def describe_straggler(figures, medians):
-    """figures and medians: seconds per step by compute_s and data_wait_s."""
-    described = [f"{key[:-2].replace('_', ' ')} {value:.3f} s/step vs median {medians[key]:.3f}"
-                 for key, value in figures.items()]  # fmt: skip
-    return ", ".join(described)
 
 
 class StragglerWatch:

@@ -1,7 +1,7 @@
 """A checkpoint's files, checked before anything of them loads. Its manifest.json names every other file of
 the step_N folder with its size and CRC-32 checksum; each named file must be a regular file of that folder
 that matches its checksum. DCP's .metadata must be plain data whose storage entries lie inside files the
-manifest lists, and a checkpoint's tensors must be the model's (run/state_match.py). Whatever fails is the
+manifest lists, and a checkpoint's tensors must be the model's (state_match.py). Whatever fails is the
 checkpoint's problem, in one line: a resume sets the checkpoint aside for the one before it, an export refuses
 it."""
 
@@ -10,7 +10,7 @@ import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
-from run.safe_load import (
+from run.checkpoint.safe_load import (
     METADATA,
     UnsafeFile,
     load_file,
@@ -19,7 +19,7 @@ from run.safe_load import (
     read_metadata,
     storage_problem,
 )
-from run.state_match import model_difference, saved_entries, state_entries
+from run.checkpoint.state_match import model_difference, saved_entries, state_entries
 
 MANIFEST = "manifest.json"
 FULL = "state_dict.pt"

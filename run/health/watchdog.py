@@ -93,8 +93,16 @@ class Watchdog:
         dist.broadcast_object_list(launch, src=0)
         training = threading.get_ident()
         self.heartbeats = Heartbeats(folder, rank, dist.get_world_size(), launch[0], training)
+        self.beating, self.ended = threading.Lock(), False
         self.last, self.phase_limit, self.phase_name = time.monotonic(), None, None
         threading.Thread(target=self.watch, name="watchdog", daemon=True).start()
+
+    def end(self):
+        """The rank's last heartbeat says that it ended, so that the job does not take it for a silent one
+        (run/heartbeats.py); the watch ends with it."""
+        with self.beating:
+            self.ended = True
+            self.heartbeats.write(ended=True)
 
     def step_done(self, first):
         """first: the launch's first step, which compiled and loaded: from now on a hung collective ends in
@@ -131,7 +139,10 @@ class Watchdog:
     def watch(self):
         while True:
             time.sleep(0.5)
-            self.heartbeats.beat(self.steps)
+            with self.beating:
+                if self.ended:
+                    return
+                self.heartbeats.beat(self.steps)
             limit, waited = self.limit(), time.monotonic() - self.last
             if waited > limit:
                 self.report(waited, limit)

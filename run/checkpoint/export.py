@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from common.errors import ConfigError, exit_after_the_speaker, fail
-from run.checkpoint_files import FULL, checkpoint_problem, read_json
-from run.checkpoints import save_error, save_errors, space_left
-from run.safe_load import UnsafeFile, load_full, load_sharded
+from run.checkpoint.checkpointer import save_error, save_errors, space_left
+from run.checkpoint.files import FULL, checkpoint_problem, read_json
+from run.checkpoint.safe_load import UnsafeFile, load_full, load_sharded
 
 
 def save_export(model, tokenizer, path):
@@ -59,8 +59,9 @@ def export_pretrained(model, plain_model, tokenizer, path, rank):
 def export_checkpoint(path, rebuild, destination=None, option="--export_from"):
     """Any step_N checkpoint, of either format, as a transformers folder (by default export_step_N beside
     it): one process, no GPU, no process group. Its files are checked against their checksums first; then
-    train.py's rebuild(options, shape), given the options and shape the checkpoint records, builds the model
-    on the meta device and its tokenizer, and the checkpoint is loaded if its tensors are that model's."""
+    rebuild(options, shape) (run/options.py's rebuild_model), given the options and shape the checkpoint
+    records, builds the model on the meta device and its tokenizer, and the checkpoint is loaded if its
+    tensors are that model's."""
     path = os.path.normpath(path)
     destination = destination or os.path.join(os.path.dirname(path), f"export_{os.path.basename(path)}")
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):

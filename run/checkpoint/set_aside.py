@@ -1,6 +1,6 @@
 """What a run sets aside rather than deletes: the later checkpoints of a rewind (<run>/rewound_<time>/), the
 unusable ones a resume falls back past (<run>/unusable_<time>/) and those a non-finite stop rules out
-(<run>/nonfinite_<time>/, run/stops.py), each moved into a folder of the run and recorded in its
+(<run>/nonfinite_<time>/, run/health/non_finite.py), each moved into a folder of the run and recorded in its
 rewinds.json. A later save of the same step would have replaced an unusable checkpoint, the evidence of what
 went wrong; the record lets a relaunch of the same --resume_from continue the run's line instead of failing on
 a folder that has gone."""
@@ -11,7 +11,8 @@ import sys
 import time
 
 from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
-from run.options import REWINDS
+
+REWINDS = "rewinds.json"  # the run folder's record: a --resume_from it names may be gone, set aside
 
 
 def recorded(run_dir):

@@ -1,6 +1,6 @@
 """Where the run stands and how fast it goes: the config and model at the start, then per log window on rank 0
 one line and one record (loss, speed, MFU, memory, ETA, what the other owners add: stragglers) written through
-the run log (run/run_log.py)."""
+the run log (run/progress/run_log.py)."""
 
 import contextlib
 import math
@@ -11,10 +11,9 @@ import torch
 import torch.distributed as dist
 
 from common.datasheet import datasheet
-from run.curves import duration, plot_curves
-from run.prediction.live import describe as describe_prediction
-from run.run_log import RunLog
-from run.stragglers import describe_straggler
+from common.stragglers import describe_straggler
+from run.progress.curves import duration, plot_curves
+from run.progress.run_log import RunLog
 
 
 def describe_model(args, shape, model_config, meta_model):
@@ -186,3 +185,14 @@ def log_line(record, total_steps):
     for name, figures in record.get("stragglers", {}).items():
         line += f" | straggler {name}: {describe_straggler(figures, record)}"
     return line
+
+
+def describe_prediction(record):
+    """The log line's part of the live prediction's fields (run/prediction/live.py): '1.31x predicted (compute
+    +0.09 s)'."""
+    if "vs_predicted" not in record:
+        return ""
+    return (
+        f" | {record['vs_predicted']:.2f}x predicted ({record['largest_difference']} "
+        f"{record['largest_difference_s']:+.3g} s)"
+    )

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from common.files import UnsafeFile, open_regular, read_regular
-from run.state_match import difference, saved_entries, state_entries
+from run.checkpoint.state_match import difference, saved_entries, state_entries
 
 METADATA = ".metadata"
 

@@ -3,11 +3,12 @@ and on GPU a CUDA memory snapshot beside it."""
 
 import contextlib
 import os
+import re
 import socket
 
 import torch
 
-from run.options import profiled_steps
+from common.errors import ConfigError
 
 
 class StepProfiler:
@@ -49,3 +50,17 @@ class StepProfiler:
                 torch.cuda.memory._dump_snapshot(snapshot)
                 torch.cuda.memory._record_memory_history(enabled=None)
                 print(f"profile: CUDA memory snapshot in {snapshot}", flush=True)
+
+
+def profiled_steps(text):
+    """--profile_steps=A,B as (A, B); None when not set."""
+    if text is None:
+        return None
+    first, _, last = text.partition(",")
+    digits = re.compile(r"\s*[0-9]+\s*")  # ASCII: int() also reads other scripts' digits
+    if not (digits.fullmatch(first) and digits.fullmatch(last) and 1 <= int(first) <= int(last)):
+        raise ConfigError(
+            f"--profile_steps={text}: expected two step numbers A,B with 1 <= A <= B, "
+            f"e.g. --profile_steps=5,8"
+        )
+    return int(first), int(last)

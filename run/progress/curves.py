@@ -8,7 +8,7 @@ import sys
 
 from common.errors import ConfigError
 from common.files import UnsafeFile, matplotlib_writes_under, read_json
-from run import goodput
+from run.progress import goodput
 
 
 def duration(seconds):

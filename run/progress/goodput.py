@@ -244,7 +244,7 @@ class Ledger:
             self.marks["at_checkpoint"][str(step)] = self.totals["productive_s"]
 
     def against_prediction(self, fields):
-        """The live step against its prediction (run/live_prediction.py): kept as the ledger's latest, and
+        """The live step against its prediction (run/prediction/live.py): kept as the ledger's latest, and
         handed on to the log record."""
         if fields:
             self.prediction = {key: fields[key] for key in ("predicted_step_s", "vs_predicted")}
