@@ -13,10 +13,7 @@ Standard library only."""
 import dataclasses
 
 from run.job.lines import nodes
-
-# train.py's exit status after a stop it checkpointed for (run/stops.py's STOPPED_BY_SIGNAL, which the job
-# cannot import: run/stops.py imports torch, and in a container the job runs on the host's python3)
-STOPPED_BY_SIGNAL = 75
+from run.stops import STOPPED_BY_SIGNAL  # train.py's exit status after a stop it checkpointed for
 
 
 def after_training(status, ending, time_limit):
