@@ -99,7 +99,7 @@ class Watchdog:
 
     def end(self):
         """The rank's last heartbeat says that it ended, so that the job does not take it for a silent one
-        (run/heartbeats.py); the watch ends with it."""
+        (run/job/heartbeats.py); the watch ends with it."""
         with self.beating:
             self.ended = True
             self.heartbeats.write(ended=True)

@@ -1,8 +1,8 @@
 """Every rank's heartbeat, and what the beats tell of a node: <log_dir>/<run_name>/heartbeats/rank<R>.json,
-rewritten by each rank's watchdog thread (run/watchdog.py). A hung rank's watchdog reads them to name the
-node its hang waits for; the job (run/job/job.py) reads them while a launch runs, to find a node whose ranks
-fell silent (a stopped, dead or cut-off node) within SILENT_S whatever the step time, and to time a failure.
-Standard library only: the job may run on a python without torch (run/job/__init__.py)."""
+rewritten by each rank's watchdog thread (run/health/watchdog.py). A hung rank's watchdog reads them to name
+the node its hang waits for; the job (run/job/job.py) reads them while a launch runs, to find a node whose
+ranks fell silent (a stopped, dead or cut-off node) within SILENT_S whatever the step time, and to time a
+failure. Standard library only: the job may run on a python without torch (run/job/__init__.py)."""
 
 import contextlib
 import json
