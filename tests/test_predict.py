@@ -232,6 +232,15 @@ def test_the_dry_run_says_its_basis_this_cpu_measured_a_reports_probe_or_a_roofl
     source = f"from benchmark report {report}'s timings of this configuration on its 2 ranks"
     line = rf"^predicted step: [\d.e-]+ s \({re.escape(source)}\)$"
     assert code == 0 and re.search(line, out, re.M), out
+    # A probe the benchmark made while its steps varied by 80% is not worth a figure, and says so.
+    varied = probed(0.25, options)
+    varied["measured"].update(spread=0.8, others=0.4)
+    written(tmp_path, "named.yaml", {**cpu_report(host=socket.gethostname()), "model": varied})
+    code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=2", *TINY_STEP,
+                         f"--benchmark_report={report}")  # fmt: skip
+    refused = "not predicted: the benchmark report's timings varied by 80%, and other work took 40% of its "
+    refused += "cores"
+    assert code == 0 and refused in out and "predicted step" not in out, out
     code, out = run_main(capsys, "--dry_run", "--world_size=2", *TINY_STEP)
     assert code == 0 and "a roofline from the datasheet of H100, not measured" in out, out
 
@@ -449,3 +458,18 @@ def test_a_run_that_probes_its_step_trains_exactly_as_one_that_does_not(tmp_path
         train(folder, *TINY, "--sharding=ddp", "--max_steps=4", f"--predict={probed}", "--run_name=r")
         runs[probed] = [record["loss"] for record in read_metrics(folder)]
     assert len(runs[True]) == 4 and runs[True] == runs[False], runs
+
+
+@SIMULATES
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_experts_matmuls_are_simulated_and_counted_in_any_precision(precision):
+    """A mixture of experts runs its experts as one grouped matmul, which fake tensors take in bf16 alone and
+    the FLOP counter does not count: the simulated step still runs, and computes what MFU counts."""
+    cfg = parse_options(["--model=tiny-mixtral", "--compile=False", "--activation_checkpointing=none",
+                         "--batch_size=2", "--global_batch_size=2", "--seq_length=64", "--gpu=cpu",
+                         f"--mixed_precision={precision}"])  # fmt: skip
+    config = presets.build_model_config(validated(cfg))
+    _, work = simulate.simulate(cfg, config, 1, 0)
+    computed = sum(operation.flops for operation in work.micro_steps + work.rest)
+    model_flops = presets.flops_per_token(presets.build_meta_model(config), config, 64) * 2 * 64
+    assert computed == pytest.approx(model_flops, rel=0.05)

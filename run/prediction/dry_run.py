@@ -13,7 +13,7 @@ from run.model.presets import flops_per_token, hardware_flops_per_token
 from run.options import gpu_memory_gb, launched_world_size
 from run.prediction import plan, probe, roofline
 from run.prediction.simulate import BLIND_SPOTS, DDP_ESTIMATE, OFFLOAD_ESTIMATE, simulate
-from run.prediction.step_time import measured
+from run.prediction.step_time import measured, refusal
 from run.progress.curves import duration
 from run.progress.progress import describe_model
 from run.report_figures import newest_report, read_report
@@ -67,6 +67,8 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
         if prediction is None:
             print(f"not predicted: the step, for want of figures of --gpu={args.gpu} (a GPU of the "
                   f"datasheet, or --benchmark_report, gives them)")  # fmt: skip
+        elif refused := refusal(prediction):
+            print(refused)
         else:
             print_prediction(args, prediction, world_size, model_flops, datasheet(args.gpu))
         return 0

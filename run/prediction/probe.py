@@ -30,13 +30,14 @@ from run.model.presets import decoder_layers
 from run.model.step import build_optimizer, train_step
 from run.stops import StopRequests
 
-# A step of one micro-step first, which compiles and takes the optimizer's state; then two timed steps of up
-# to MICRO_STEPS micro-steps, and a third where those two lay more than STEADY apart on any rank (the median
-# of three then counts). A micro-step is the mean of those between the first and the last of a step (the
-# first takes the gradients' memory anew, the last runs into the optimizer). Four probes of the tiny model on
-# one quiet 2-core machine: 8.3-9.9 s a step from one micro-step, 8.8-9.7 s from three; its training steps
-# took 8.6-9.3 s.
-MICRO_STEPS, STEADY = 5, 0.05
+# A step of one micro-step first, which compiles and takes the optimizer's state; then timed steps of up to
+# MICRO_STEPS micro-steps until they add up to BUDGET_S (at least two, at most MAX_TIMED; a third where two
+# lie more than STEADY apart on any rank), their median counting. Steps on a quiet 2-core machine varied by
+# 10-30% from one to the next: two alone put gpt2's step 32% high in one run and 13% low in the next. A
+# micro-step is the mean of those between the first and the last of a step (the first takes the gradients'
+# memory anew, the last runs into the optimizer): four probes of the tiny model gave 8.3-9.9 s a step from
+# one micro-step, 8.8-9.7 s from three; its training steps took 8.6-9.3 s.
+MICRO_STEPS, BUDGET_S, MAX_TIMED, STEADY = 5, 3.0, 12, 0.05
 
 
 @dataclasses.dataclass
@@ -122,10 +123,8 @@ def timed_steps(args, model, model_config, device, accumulation):
         micro = between(micro_starts[1], micro_starts[-1]) / middle if middle > 0 else 0.0
         return between(start, end), micro, layer_times.read()[0]
 
-    timings = [timed(), timed()]
-    apart = torch.tensor(float(spread_of([step for step, _, _ in timings]) > STEADY), device=device)
-    dist.all_reduce(apart, op=dist.ReduceOp.MAX)  # every rank takes the third step, or none
-    if apart.item():
+    timings = []
+    while more_steps([step for step, _, _ in timings], device):
         timings.append(timed())
     cpu, busy, wall = own_cpu_seconds(), host_busy_seconds(), time.perf_counter()
     hook.remove()
@@ -135,6 +134,15 @@ def timed_steps(args, model, model_config, device, accumulation):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return timings, (cpu - usage[0], None if busy is None else busy - usage[1], wall - usage[2])
+
+
+def more_steps(steps, device):
+    """Whether every rank takes another timed step: any rank that has not yet timed enough says so."""
+    wanted = len(steps) < 2 or (sum(steps) < BUDGET_S and len(steps) < MAX_TIMED)
+    wanted = wanted or (len(steps) == 2 and spread_of(steps) > STEADY)
+    flag = torch.tensor(float(wanted), device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 def host_busy_seconds():
@@ -168,8 +176,10 @@ def others_share(everyone):
 
 
 def spread_of(seconds):
-    """How far apart the timed steps lie: (slowest - fastest) / median."""
-    return (max(seconds) - min(seconds)) / statistics.median(seconds)
+    """How far apart the timed steps lie: (slowest - fastest) / median, of five or more without their slowest
+    and fastest (one step interrupted does not make a machine busy)."""
+    kept = sorted(seconds)[1:-1] if len(seconds) >= 5 else seconds
+    return (max(kept) - min(kept)) / statistics.median(seconds)
 
 
 def build_and_measure(args, model_config, device, local_world_size):

@@ -5,6 +5,7 @@ roofline costs. A compiled run is simulated compiled: each block goes through th
 capture, decompositions and partition of what backward saves (inductor's), and its graphs then run on fake
 tensors one operation at a time, so the tracker sees what a compiled step keeps, not what eager keeps."""
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -58,6 +59,10 @@ FREE = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_li
 # gloo's collectives on a CPU, and the argument whose size the buffer each takes has: an all-gather's output,
 # a reduce-scatter's input (Tracker).
 GLOO_BUFFERS = {"c10d._allgather_base_.default": 0, "c10d._reduce_scatter_base_.default": 1}
+# The experts' grouped matmul (M x K by experts x K x N), as transformers runs it: aten's, or in float32
+# on fake tensors (whose shape rule for aten's takes bf16 alone) its own operator of the same tensors.
+EXPERTS = ("aten._grouped_mm.default", "transformers.grouped_mm_fallback.default",
+           "transformers.grouped_mm_fallback_backward.default")  # fmt: skip
 # CPU flash attention is not in the FLOP counter's registry; its CUDA twin has the same shapes.
 CPU_ATTENTION = {
     "aten._scaled_dot_product_flash_attention_for_cpu.default": sdpa_flop_count,
@@ -162,6 +167,8 @@ def flops(func, args, kwargs, out):
         shapes = [tuple(leaf.shape) for leaf in args[:4] if isinstance(leaf, torch.Tensor)]
         backward = "backward" in str(func)
         return CPU_ATTENTION[str(func)](*(shapes[:4] if backward else shapes[:3]))
+    if str(func) in EXPERTS:  # the experts' matmuls, which the counter skips: backward does two
+        return (2 if "backward" in str(func) else 1) * 2 * args[0].numel() * args[1].shape[-1]
     count = flop_registry.get(func._overloadpacket)
     return count(*args, **kwargs, out_val=out) if count else 0
 
@@ -203,6 +210,21 @@ def track_recomputed_randomness():
         run_with_rng_state.py_impl(mode)(run_with)
 
 
+@contextlib.contextmanager
+def experts_on_fake_tensors():
+    """transformers' own grouped matmul for experts of any dtype but bf16 (aten's shape rule refuses them)."""
+    from transformers.integrations import moe
+
+    original = moe._can_use_grouped_mm
+    moe._can_use_grouped_mm = lambda input, weight, offs: (
+        weight.dtype == torch.bfloat16 and original(input, weight, offs)
+    )
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = original
+
+
 def simulate_step(args, model_config, world_size, ranks_per_node, fused, accumulation):
     """One optimizer step of `accumulation` micro-steps (1 or 2: a third looks like the second), the second
     step of two (the first allocates the optimizer state, compiles, and fake DTensors allocate extra once):
@@ -217,8 +239,8 @@ def simulate_step(args, model_config, world_size, ranks_per_node, fused, accumul
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         mesh = device_mesh(simulated, "cpu", world_size, ranks_per_node)
-        with FakeTensorMode(allow_non_fake_inputs=True):  # the recomputation's saved random state is real
-            device = torch.device("cpu")
+        with FakeTensorMode(allow_non_fake_inputs=True), experts_on_fake_tensors():  # the recomputation's
+            device = torch.device("cpu")  # saved random state is real
             model = build_model(model_config, simulated, device, mesh, backend=simulated_compiler)
             optimizer = build_optimizer(model, args, fused=fused)
             tokens = torch.randint(0, model_config.vocab_size, (args.batch_size, args.seq_length))

@@ -66,12 +66,14 @@ def measured(probed, accumulation, source, basis="measured"):
 
 
 def refusal(prediction):
-    """Why a probe's prediction is not worth printing (its timed steps varied too much), or None."""
-    if prediction.basis == "measured" and prediction.spread > REFUSE_SPREAD:
+    """Why a probe's prediction, this machine's or a report's, is not worth printing (its timed steps varied
+    too much), or None."""
+    if prediction.basis != "roofline" and prediction.spread > REFUSE_SPREAD:
         busy = (
             f", and other work took {prediction.others:.0%} of its cores" if prediction.others > 0.05 else ""
         )
-        return f"not predicted: this machine's timings varied by {prediction.spread:.0%}{busy}"
+        whose = "this machine's" if prediction.basis == "measured" else "the benchmark report's"
+        return f"not predicted: {whose} timings varied by {prediction.spread:.0%}{busy}"
     return None
 
 

@@ -1,21 +1,17 @@
-"""How good the planner's pick is (train.py --plan, run/prediction/plan.py): every candidate the plan lists
-as fitting is trained for real on this machine's CPU with gloo, and the pick (the plan's first row, the
-fastest predicted) is held against the fastest measured. The target: the pick's measured step within 5% of
-the fastest's.
+"""How good the planner's pick is (train.py --plan): every candidate the plan lists as fitting is trained for
+real on this machine's CPU with gloo, and the pick (the plan's first row, the fastest predicted) is held
+against the fastest measured. The target: the pick's measured step within 5% of the fastest's.
 
-    python tests/perf/bench_plan.py                    # tiny on 1 and 2 processes: about 40 minutes
-    python tests/perf/bench_plan.py --layouts=1 --limit=6 --json=plan.json
+    python tests/perf/bench_plan.py                    # tiny on 1 and 2 processes
+    python tests/perf/bench_plan.py --processes=1 --limit=6 --json=plan.json
     python tests/perf/bench_plan.py --auto=batch_size  # only the micro-batch is planned: minutes
 
-For each model and layout, as the job does it: benchmark.py on the layout with --train_args (the collectives
-timed on every rank at once; on more than one process only, where there are collectives to time), then the
-plan over the options of --auto at a fixed global batch and sequence length, then each candidate it lists,
-trained one after another for a dozen steps; a measured step is the median of the log windows after the
-first. The options the plan does not choose are train.py's defaults (--sharding=full,
---activation_checkpointing=op) and the micro-batch of a rank's whole share of the global batch. With tiny,
-a global batch of 8 and sequences of 128, the plan lists 48 candidates on one process and 36 on two; on 2
-idle cores a plan takes 2 to 3 minutes (benchmark.py one more) and a candidate 15 to 25 s, all printed as
-they go. --limit=N trains only the plan's first N: the comparison then covers only those, and says so. Run
+For each model and number of processes: `train.py --plan --gpu=cpu` over the options of --auto at a fixed
+global batch and sequence length (each candidate that fits is probed on this CPU on as many processes), then
+each candidate it lists, trained one after another for a dozen steps; a measured step is the median of the
+log windows after the first. The options the plan does not choose are train.py's defaults
+(--sharding=full, --activation_checkpointing=op) and the micro-batch of a rank's whole share of the global
+batch. --limit=N trains only the plan's first N: the comparison then covers only those, and says so. Run
 it on a quiet machine: every figure is a wall-clock time, and the load average is printed with each row.
 """
 
@@ -30,12 +26,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from host_runs import LOG_EVERY, MODELS, PYTHON, REPO, STEPS, benchmark_report, layout, measured_step
+from host_runs import MODELS, PYTHON, REPO, trained
 
 PLANNED = ("sharding", "activation_checkpointing", "batch_size")
-FIXED = {"sharding": "full", "activation_checkpointing": "op"}  # train.py's defaults
+FIXED = {"sharding": "full", "activation_checkpointing": "op"}
+STEPS, LOG_EVERY = 12, 2
 TARGET = 0.05  # the pick's measured step at most this much slower than the fastest measured
-PORTS = itertools.count(29700)  # a fresh one for each launch: a rendezvous port is slow to come free
 
 
 def base_options(model, global_batch, seq_length):
@@ -57,8 +53,8 @@ def candidate_options(row):
 
 
 def parse_plan(stdout):
-    """The rows of run/prediction/plan.py's print_plan, fastest predicted first: the candidate, its predicted
-    step and peak; (None, why) where the output is not a plan whose row count matches its headline."""
+    """The rows of run/plan.py's print_plan, fastest predicted first: the candidate, its predicted step and
+    peak; (None, why) where the output is not a plan whose row count matches its headline."""
     headline = re.search(r"^plan: (\d+) of (\d+) candidates fit", stdout, re.M)
     if not headline:
         return None, "no plan headline"
@@ -80,38 +76,33 @@ def describe(row):
     return f"{row['sharding']}{group} {row['activation_checkpointing']} {row['batch_size']}"
 
 
-def measure(model, name, cli, folder):
-    """The plan of model on the layout, each of its first cli.limit candidates trained: {"rows": [...],
-    "candidates": how many the plan tried, "fitting": how many fit}, or {"error": why}."""
-    world, per_node, _ = layout(name)
+def measure(model, processes, cli, folder):
+    """The plan of model on this many processes, each of its first cli.limit candidates trained: {"rows":
+    [...], "candidates": how many the plan tried, "fitting": how many fit}, or {"error": why}."""
     base = base_options(model, cli.global_batch_size, cli.seq_length)
-    auto = planned_options(cli.auto, world, cli.global_batch_size)
-    command = [PYTHON, "train.py", "--plan", "--gpu=cpu", f"--world_size={world}",
-               f"--gpus_per_node={per_node}", f"--log_dir={folder}", *base, *auto]  # fmt: skip
-    if world > 1:  # the collectives, timed on the layout
-        traced = [*base, *planned_options((), world, cli.global_batch_size)]
-        report = benchmark_report(name, traced, folder, next(PORTS))
-        if isinstance(report, dict):
-            return report
-        command.append(f"--benchmark_report={report}")
+    auto = planned_options(cli.auto, processes, cli.global_batch_size)
+    command = [PYTHON, "train.py", "--plan", "--gpu=cpu", f"--world_size={processes}",
+               f"--gpus_per_node={processes}", f"--log_dir={folder}", *base, *auto]  # fmt: skip
     started = time.perf_counter()
     planned = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     plan_s = time.perf_counter() - started
     rows, tried = parse_plan(planned.stdout)
     if rows is None:
         return {"error": f"plan: {tried}: {planned.stdout[-500:]} {planned.stderr[-800:]}"}
-    trained = rows[: cli.limit]
-    print(f"{model} on {name}: {len(rows)} of {tried} candidates fit (planned in {plan_s:.0f} s); training "
-          f"{'all' if len(trained) == len(rows) else f'the first {len(trained)}'}", flush=True)  # fmt: skip
-    for index, row in enumerate(trained):
+    chosen = rows[: cli.limit]
+    which = "all" if len(chosen) == len(rows) else f"the first {len(chosen)}"
+    print(f"{model} on {processes}: {len(rows)} of {tried} candidates fit (planned in {plan_s:.0f} s); "
+          f"training {which}", flush=True)  # fmt: skip
+    for index, row in enumerate(chosen):
         train_args, started = [*base, *candidate_options(row)], time.perf_counter()
         with tempfile.TemporaryDirectory(dir=folder) as run_folder:  # its checkpoint gone once measured
-            row.update(measured_step(name, train_args, Path(run_folder), next(PORTS), cli.steps, LOG_EVERY))
+            found = trained(processes, train_args, Path(run_folder), cli.steps, LOG_EVERY)
+        row.update({key: found[key] for key in ("measured_s", "error") if key in found})
         row["wall_s"], row["load"] = time.perf_counter() - started, os.getloadavg()[0]
         figure = row["error"] if "error" in row else f"measured {row['measured_s']:.4g} s"
         print(f"  {index + 1:>3} {describe(row):<22} predicted {row['predicted_s']:.4g} s, {figure} "
               f"(load {row['load']:.1f}, {row['wall_s']:.0f} s)", flush=True)  # fmt: skip
-    return {"rows": trained, "candidates": tried, "fitting": len(rows), "plan_s": plan_s}
+    return {"rows": chosen, "candidates": tried, "fitting": len(rows), "plan_s": plan_s}
 
 
 def rank(result):
@@ -160,7 +151,7 @@ def report(model, name, result):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny", help=f"comma-separated, of: {', '.join(MODELS)}")
-    parser.add_argument("--layouts", default="1,2", help='comma-separated: "1", "2", "2n", "2x2n" ...')
+    parser.add_argument("--processes", default="1,2", help="comma-separated numbers of processes")
     parser.add_argument("--auto", default=",".join(PLANNED), help="the options the plan chooses")
     parser.add_argument("--global_batch_size", type=int, default=8)
     parser.add_argument("--seq_length", type=int, default=128)
@@ -176,7 +167,8 @@ def main():
         parser.error(f"unknown: {', '.join(unknown)}")
     print(f"host {socket.gethostname()}, {os.cpu_count()} cores", flush=True)
     results, gaps = [], []
-    for model, name in itertools.product(cli.models.split(","), cli.layouts.split(",")):
+    processes = [int(count) for count in cli.processes.split(",")]
+    for model, name in itertools.product(cli.models.split(","), processes):
         with tempfile.TemporaryDirectory() as folder:
             result = measure(model, name, cli, Path(folder))
         if "error" in result:
@@ -184,7 +176,7 @@ def main():
         else:
             result["gap"] = report(model, name, result)
             gaps.append((model, name, result["gap"]))
-        results.append({"model": model, "layout": name, "global_batch_size": cli.global_batch_size,
+        results.append({"model": model, "processes": name, "global_batch_size": cli.global_batch_size,
                         "seq_length": cli.seq_length, "auto": cli.auto, **result})  # fmt: skip
     if len(gaps) > 1:
         figures = [f"{model} on {name} {'-' if gap is None else f'{gap:+.1%}'}" for model, name, gap in gaps]

@@ -81,7 +81,9 @@ def measure(row, folder, repeats, env):
                "measured": [error(run["predicted_s"], run["measured_s"]) for run in runs],
                "lines": [run["line"] for run in runs],
                "probes": [{k: run[k] for k in ("spread", "others", "probe_s", "not_kept")} for run in runs],
-               "to_first_step_s": [run["seconds_to_first_step"] for run in runs]}  # fmt: skip
+               "to_first_step_s": [run["seconds_to_first_step"] for run in runs],
+               "windows_apart": max((max(run["windows_s"]) - min(run["windows_s"])) / run["measured_s"]
+                                    for run in runs)}  # fmt: skip
     report = benchmark_report(processes, train_args, folder, env)
     if isinstance(report, dict):
         return {**figures, **report}
@@ -134,7 +136,8 @@ def main():
         report = f"{row['report']:+.1%}" if row.get("report") is not None else row.get("report_line")
         low, high = row.get("roofline_range") or (float("nan"),) * 2
         print(f"{index:>3} {GRID[index][0]:<18} measured {row['measured_s']:.4g} s (runs {row['spread']:.1%} "
-              f"apart) | measured basis {errors} | report {report} | roofline {low:.3g}-{high:.3g} s, "
+              f"apart, a run's windows up to {row['windows_apart']:.0%}) | measured basis {errors} | "
+              f"report {report} | roofline {low:.3g}-{high:.3g} s, "
               f"measured {row['measured_s'] / low:.2f}x its low end | load {row['load']:.1f}",
               flush=True)  # fmt: skip
     for basis in ("measured", "report", "roofline"):
