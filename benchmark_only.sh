@@ -2,7 +2,7 @@
 # Benchmarks every node:   sbatch benchmark_only.sh [benchmark.py arguments]   (from the repo root)
 # Report: logs/benchmark_<jobid>_<first start, UTC>.yaml, with its picture (.png) and each node's part
 # Without SLURM, `bash benchmark_only.sh [arguments]` benchmarks this machine. The job is slurm_submit.sh's
-# (run/job.py), whose knobs (NPROC_PER_NODE, BENCHMARK_ARGS, CONTAINER_IMAGE, ...) apply here too; see docs/SLURM.md.
+# (run/job/), whose knobs (NPROC_PER_NODE, BENCHMARK_ARGS, CONTAINER_IMAGE, ...) apply here too; see docs/SLURM.md.
 #SBATCH --job-name=benchmark
 #SBATCH --nodes=2
 # (one torchrun per node is srun's choice: an #SBATCH --ntasks-per-node would pin --nodes=MIN-MAX to MIN)

@@ -6,7 +6,7 @@
 # The job's shape, in one place. Command-line options override these: sbatch --nodes=4 slurm_submit.sh
 #SBATCH --job-name=fsdp-train
 #SBATCH --nodes=2
-# (one torchrun per node is the job's choice, run/slurm.py: an #SBATCH --ntasks-per-node would pin --nodes=MIN-MAX to MIN)
+# (one torchrun per node is the job's choice, run/job/slurm.py: an #SBATCH --ntasks-per-node would pin --nodes=MIN-MAX to MIN)
 ##SBATCH --gpus-per-node=8            # GPU partitions: delete one '#' (CPU-only partitions: leave it off)
 #SBATCH --exclusive                   # whole nodes: every CPU for the data loaders ...
 #SBATCH --mem=0                       # ... and all of the memory
@@ -32,7 +32,7 @@ set -euo pipefail
 trap 'export JOB_SIGUSR1=1' USR1
 
 # Knobs: environment variables, e.g. SKIP_BENCHMARK=1 sbatch slurm_submit.sh (sbatch passes the environment).
-# Their defaults are here alone: run/job.py declares each knob's type and refuses one that is missing.
+# Each default is stated here alone: run/job/knobs.py says what each knob takes and refuses one that is missing.
 export SKIP_BENCHMARK=${SKIP_BENCHMARK:-0}                      # 1: go straight to training
 export CONTINUE_ON_BENCHMARK_FAILURE=${CONTINUE_ON_BENCHMARK_FAILURE:-0} # 1: train even when a check failed
 export BENCHMARK_ARGS=${BENCHMARK_ARGS:-}   # extra benchmark.py arguments, e.g. "--skip storage"
@@ -50,8 +50,8 @@ VENV=${VENV:-.venv}
 # sbatch runs a spool copy of this file, so in a job the repository is the working directory (where sbatch
 # ran, or its --chdir)
 [ -n "${SLURM_JOB_ID:-}" ] || cd "$(dirname "${BASH_SOURCE[0]}")"
-if [ ! -f run/job.py ]; then
-  echo "error: no run/job.py in $PWD: submit from the repository root (cd <repo> && sbatch slurm_submit.sh)" >&2
+if [ ! -f run/job/__main__.py ]; then
+  echo "error: no run/job/ in $PWD: submit from the repository root (cd <repo> && sbatch slurm_submit.sh)" >&2
   exit 1
 fi
 py=$(realpath -m "$VENV")/bin/python   # VENV may be relative to the repository, like setup.sh takes it
@@ -61,7 +61,7 @@ elif ! bash setup.sh; then   # once, here: on a cluster the repository is on the
   echo "error: no usable virtual environment in ${py%/bin/python}: run 'bash setup.sh', then resubmit" >&2
   exit 1
 fi
-# The phases (run/job.py): the options checked, benchmarks, nodes left out, training, the requeue. SLURM's
+# The phases (run/job/): the options checked, benchmarks, nodes left out, training, the requeue. SLURM's
 # SIGUSR1 (--signal=B:) comes to this process, which is then the job's Python.
 trap '' USR1
 exec "$py" -m run.job "$@"

@@ -355,7 +355,7 @@ def count_parameters(model):
 
 
 def report_checked(log_folder):
-    """--check_only's answer: the run's log folder, also as JSON in $CHECKED_JSON for the job (run/job.py)."""
+    """--check_only's answer: the run's log folder, also as JSON in $CHECKED_JSON for the job (run/job/)."""
     print(f"checked: log folder {log_folder}")
     if os.environ.get("CHECKED_JSON"):
         write_atomically(os.environ["CHECKED_JSON"], json.dumps({"log_folder": log_folder}))

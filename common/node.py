@@ -21,7 +21,7 @@ def node_name() -> str:
 def local_device():
     """This process's device: its local rank's GPU, made the current one so that NCCL and every
     allocation land there, or the CPU where there is no GPU."""
-    import torch  # here, not above: the job (run/job.py) names its node on a python that may lack torch
+    import torch  # here, not above: the job (run/job/) names its node on a python that may lack torch
 
     if not torch.cuda.is_available():
         return torch.device("cpu")

@@ -1,8 +1,8 @@
 """The nodes a phase blames, and the nodes the job leaves out for it. A phase that finds a bad node (the
 benchmark's failing check, a hang's watchdog, rank 0's straggler watch, the job's heartbeat reading) writes it
 as a suspect to <run folder>/suspects/, each writer its own file; once the phase has ended the job
-(run/job.py) adds the suspects to <run folder>/excluded_nodes, kept across requeues, and goes on without
-them (docs/SLURM.md). Standard library only: the job may run on a python without torch (run/slurm.py)."""
+(run/job/) adds the suspects to <run folder>/excluded_nodes, kept across requeues, and goes on without
+them (docs/SLURM.md). Standard library only: the job may run on a python without torch (run/job/)."""
 
 import json
 import os

@@ -1,6 +1,6 @@
 """A stop asked for: a signal, the job's stop file or a straggler's exclusion is posted to StopRequests, the
 one channel the training step reads: the run checkpoints at the end of that step, on every rank, and exits
-with STOPPED_BY_SIGNAL, the status the job (run/job.py) reads as a stop it asked for or was told of. Standard
+with STOPPED_BY_SIGNAL, the status the job (run/job/) reads as a stop it asked for or was told of. Standard
 library only, so that the job, which may run on a python without torch, can import it."""
 
 import contextlib
@@ -47,7 +47,7 @@ class StopSignals:
     During training the first posts a stop request (a checkpoint at the end of the current step, at the same
     step on every rank); a second exits at once with 128 + its number, writing nothing,
     so the last complete checkpoint stays as it was. Before training (data, model, loading) the first exits
-    at once; SIGUSR1 is caught only from then on. Under the job script (run/job.py), which alone receives
+    at once; SIGUSR1 is caught only from then on. Under the job script (run/job/), which alone receives
     SLURM's SIGUSR1, the stop comes as the file $JOB_STOP_FILE instead, looked for once training has started.
     The interpreter's C handler writes each signal to a pipe read by a thread: that works while the main
     thread waits inside a step or a collective, where a Python handler would only run once it returns."""
@@ -74,7 +74,7 @@ class StopSignals:
             threading.Thread(target=self.watch_file, args=(stop_file,), daemon=True).start()
 
     def saved(self, rank):
-        """Rank 0's word to the job (run/job.py), once the run has checkpointed for a stop signal of its own
+        """Rank 0's word to the job (run/job/), once the run has checkpointed for a stop signal of its own
         (SIGTERM or SIGINT that reached the workers and not the job: scancel --signal=TERM, a kill of
         torchrun): the job's stop file, unless the job wrote it. The job, which sees torchrun exit 1 as
         after a crash, then ends instead of restarting it. Only once saved: torchrun sends SIGTERM to the

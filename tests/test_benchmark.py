@@ -21,7 +21,7 @@ import yaml
 import benchmark
 from checks import collectives, gpu, host, storage, timing, verdicts, world
 from common import datasheet, nccl_tests, stragglers
-from run import job
+from run.job import job
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,9 +35,10 @@ from conftest import (
 
 import train as train_script
 from common import stragglers
-from run import heartbeats, options
+from run import options
 from run.health import watchdog
 from run.health.stragglers import Stragglers
+from run.job import heartbeats
 from run.prediction import live, step_time
 from run.prediction.step_time import Prediction
 

@@ -29,7 +29,7 @@ def assert_adds_up(figures):
 @pytest.mark.parametrize("number", [signal.SIGKILL, signal.SIGTERM])
 def test_a_relaunch_counts_exactly_the_steps_it_lost(tmp_path, number):
     """SIGKILL between checkpoints loses the steps after the last; SIGTERM saves first and loses none. After
-    the SIGKILL, the job's part of the recovery (run/job.py) is in the run folder, as the job leaves it, and
+    the SIGKILL, the job's part of the recovery (run/job/) is in the run folder, as the job leaves it, and
     the relaunch records the recovery whole."""
     args = [f"--checkpoint_dir={tmp_path}", *RUN]
     status, output = run_until(args, tmp_path, 7, number)

@@ -1,8 +1,9 @@
-"""The job's decisions (run/job.py) through a fake scheduler: no SLURM, no root, seconds. The fake keeps what
-SLURM would (the job's comment, its excluded nodes, its requeues) and starts the job again after each requeue
-on the nodes it may use, as SLURM does; each phase is a fake launch whose outcome the test scripts.
-tests/test_slurm.py proves the same on a real SLURM."""
+"""The job (run/job/) through a fake scheduler: no SLURM, no root, seconds. The fake keeps what SLURM would
+(the job's comment, its excluded nodes, its requeues) and starts the job again after each requeue on the
+nodes it may use, as SLURM does; each phase is a fake launch whose outcome the test scripts. The job's
+decisions, pure functions, are tables of cases. tests/test_slurm.py proves the same on a real SLURM."""
 
+import argparse
 import functools
 import io
 import itertools
@@ -21,8 +22,21 @@ import pytest
 from conftest import ODD, REPO, TINY, fill_disk, launch, make_odd
 
 from common import suspects
-from run import benchmark_reports, job, job_launch, slurm
-from run.recovery import Stopped, after_training
+from run.job import benchmark_reports, job, slurm
+from run.job.decisions import (
+    CHECK,
+    REQUEUE,
+    RESTART,
+    SPARE,
+    STOP,
+    Action,
+    FailedLaunch,
+    after_failure,
+    after_training,
+)
+from run.job.knobs import KNOBS, read_knobs
+from run.job.launch import HANG_GRACE_S, Watch
+from run.job.lines import Stopped
 
 HOSTS = ["n1", "n2", "n3"]
 
@@ -43,7 +57,7 @@ class FakeLaunch:
 
 
 class FakeSlurm:
-    """run/slurm.py's Slurm, with SLURM's side kept in memory. phases(script, nodes, launch) gives each
+    """run/job/slurm.py's Slurm, with SLURM's side kept in memory. phases(script, nodes, launch) gives each
     launch's exit status on each poll (None: still running). The usable nodes of the job's partition are
     partition, those of them another job holds busy: by default the job's and a fourth, busy, so that a
     requeued start is given those of the job's it did not leave out. train.py's options fit a world of W
@@ -152,9 +166,7 @@ def script_knobs():
 
 def knobs_of(**changed):
     """The job's knobs: the script's defaults, with changed ones (and one process per node)."""
-    return job.read_knobs(
-        {**script_knobs(), "NPROC_PER_NODE": "1", **{k: str(v) for k, v in changed.items()}}
-    )
+    return read_knobs({**script_knobs(), "NPROC_PER_NODE": "1", **{k: str(v) for k, v in changed.items()}})
 
 
 def run_job(scheduler, argv=(), clock=None, **knobs):
@@ -488,13 +500,13 @@ def test_a_hang_blamed_on_a_node_ends_the_step_and_the_node_is_left_out(tmp_path
 
 def test_a_recent_hang_is_left_to_the_watchdogs_of_the_other_ranks(tmp_path):
     blame(tmp_path, "hang_rank1", ["n2"])
-    assert not suspects.hang_blamed(suspects.suspects_folder(tmp_path), job_launch.HANG_GRACE_S)
-    assert not suspects.hang_blamed(tmp_path / "nowhere", job_launch.HANG_GRACE_S)
+    assert not suspects.hang_blamed(suspects.suspects_folder(tmp_path), HANG_GRACE_S)
+    assert not suspects.hang_blamed(tmp_path / "nowhere", HANG_GRACE_S)
 
 
 def beat(run_folder, process, rank, node, steps, age=0.0):
-    """The heartbeat of a rank of the launch process, as its watchdog thread writes it (run/heartbeats.py),
-    age seconds old."""
+    """The heartbeat of a rank of the launch process, as its watchdog thread writes it
+    (run/job/heartbeats.py), age seconds old."""
     folder = os.path.join(run_folder, "heartbeats")
     os.makedirs(folder, exist_ok=True)
     beat = {"token": str(id(process)), "node": node, "rank": rank, "steps": steps, "time": time.time() - age}
@@ -527,6 +539,7 @@ def test_a_crash_on_healthy_nodes_restarts_in_place_until_max_restarts(tmp_path,
     assert run_job(scheduler, SKIP_BENCHMARK=1, MAX_RESTARTS=2) == [1]
     assert launched(scheduler) == [(0, "train.py", "n1 n2 n3")] * 3 and scheduler.requeues == 0
     out, err = capsys.readouterr()
+    assert "SKIP_BENCHMARK=1: skipping the benchmarks" in out
     assert (
         "restarting in place on n1 n2 n3 (no check (SKIP_BENCHMARK=1)): restart 2 of at most MAX_RESTARTS=2"
         in out
@@ -670,19 +683,92 @@ def test_a_failure_train_py_says_or_that_comes_before_training_is_not_restarted(
     assert "the launch failed before its first step: not restarting it" in capsys.readouterr().err
 
 
-def test_after_a_training_launch_a_stop_ends_the_job_the_time_limit_requeues_and_a_crash_recovers():
-    table = {  # (training's exit status, the stop that came to the job, SIGUSR1 came): what the job does
-        (0, None, False): "done",
-        (0, signal.SIGTERM, False): "done",  # it finished as the stop came
-        (1, None, False): "recover",  # a crash: restarted in place, or a node left out
-        (1, signal.SIGTERM, False): "end",  # torchrun passes a stop on, the workers save, torchrun exits 1
-        (1, signal.SIGINT, False): "end",
-        (143, signal.SIGTERM, False): "end",
-        (75, None, True): "requeue",
-        (1, None, True): "requeue",
-        (1, signal.SIGTERM, True): "end",  # a stop after the time limit's warning: not requeued either
-    }
-    assert {case: after_training(*case) for case in table} == table
+# Once a training launch has exited: (its exit status, the stop that came to the job, whether SIGUSR1 came),
+# and what the job does
+AFTER_TRAINING = [
+    ("finished", (0, None, False), "done"),
+    ("finished as a stop came", (0, signal.SIGTERM, False), "done"),
+    ("a crash: restarted in place, or a node left out", (1, None, False), "recover"),
+    ("a stop: torchrun passes it on, the workers save, torchrun exits 1", (1, signal.SIGTERM, False), "end"),
+    ("Ctrl-C", (1, signal.SIGINT, False), "end"),
+    ("a stop that ended torchrun itself", (143, signal.SIGTERM, False), "end"),
+    ("the time limit's checkpoint", (75, None, True), "requeue"),
+    ("a crash after the time limit's warning", (1, None, True), "requeue"),
+    ("a stop after the time limit's warning: not requeued either", (1, signal.SIGTERM, True), "end"),
+]
+
+
+@pytest.mark.parametrize("case, move", [pytest.param(*row[1:], id=row[0]) for row in AFTER_TRAINING])
+def test_after_a_training_launch_a_stop_ends_the_job_the_time_limit_requeues_and_a_crash_recovers(case, move):
+    assert after_training(*case) == move
+
+
+def stop(line=None):
+    return Action("stop", line)
+
+
+def failed(status=1, **facts):
+    """A launch that failed with status, as the job knows it (facts: FailedLaunch's fields)."""
+    return FailedLaunch(status, **facts)
+
+
+def left_out(training, spares, wanted=2, allocated=3, partition=None, gone=("n2",), status=1, **more):
+    """A failed launch that blamed nodes the job left out (gone): training is left with training nodes of the
+    wanted ones, and spares spares, in a start of allocated nodes; partition: its partition's usable nodes."""
+    return failed(status, named=True, left_out=gone, training=training, spares=spares, wanted=wanted,
+                  allocated=allocated, partition=partition, **more)  # fmt: skip
+
+
+RESTARTS_USED = "error: stopping: training failed (exit 1) with no node to blame, and the MAX_RESTARTS={} " \
+                "restarts in place are used"  # fmt: skip
+NO_FIT = (
+    "error: stopping: train.py's options do not fit the 2 nodes left (above), and a requeue could not start"
+)
+NO_NODE = "error: stopping: no node of this allocation is left, and a requeue could not start"
+TOO_MANY = "3 bad nodes, more than MAX_EXCLUDED_NODES=2: n1 (...); n2 (...); n3 (...)"
+# After a failed launch: (what happened, what the job knows, its knobs unlike TABLE_KNOBS, what it does)
+TABLE_KNOBS = {"MAX_RESTARTS": 3, "SKIP_BENCHMARK": 0, "SPARE_NODES": 0}
+AFTER_FAILURE = [
+    ("a crash that blames no node: its nodes are checked", failed(), {}, CHECK),
+    ("a crash on nodes the check passed", failed(check=""), {}, RESTART),
+    ("a crash under SKIP_BENCHMARK=1: no check", failed(), {"SKIP_BENCHMARK": 1}, RESTART),
+    ("a crash whose check fails and names no node", failed(check="its verdict is fail"), {},
+     stop("error: stopping: its verdict is fail")),
+    ("a crash past MAX_RESTARTS restarts in place", failed(restarts=3), {}, stop(RESTARTS_USED.format(3))),
+    ("a crash under MAX_RESTARTS=0", failed(), {"MAX_RESTARTS": 0}, stop(RESTARTS_USED.format(0))),
+    ("a failure before the first step (data, memory, options)", failed(trained=False), {},
+     stop("the launch failed before its first step: not restarting it")),
+    ("train.py said why it stopped ('error: ...')", failed(said_error=True), {}, STOP),
+    ("train.py saved for a stop of its own (exit 75)", failed(status=75), {}, STOP),
+    ("the benchmark's verdict fails and blames no node", failed(benchmark=True), {}, STOP),
+    ("nodes blamed that the job may not leave out (no SLURM)", failed(named=True), {}, STOP),
+    ("more bad nodes than MAX_EXCLUDED_NODES", failed(named=True, too_many=TOO_MANY), {},
+     stop(f"error: stopping: {TOO_MANY}")),
+    ("n2 left out, a spare ready", left_out(1, 1), {}, SPARE),
+    ("n2 left out after the check of a crash", left_out(1, 1, check=""), {}, SPARE),
+    ("n2 left out by the benchmark before training", left_out(1, 1, benchmark=True), {}, SPARE),
+    ("a straggler's stop (exit 75) that named n2", left_out(1, 1, status=75), {}, SPARE),
+    ("a spare left out: training goes on as it was", left_out(2, 0, gone=("n3",)), {}, SPARE),
+    ("two left out, one spare: 2 nodes if the options fit, else a requeue",
+     left_out(1, 1, wanted=3, allocated=4, gone=("n2", "n3")), {"SPARE_NODES": 1},
+     Action("fewer", nodes=2, otherwise=REQUEUE)),
+    ("no spare left (SPARE_NODES=1): 1 node if the options fit, else a requeue", left_out(1, 0, partition=5),
+     {"SPARE_NODES": 1}, Action("fewer", nodes=1, otherwise=REQUEUE)),
+    ("no spare (SPARE_NODES=0): a requeue to start on other nodes", left_out(1, 0, partition=5), {}, REQUEUE),
+    ("no spare, and sinfo does not say the partition's nodes", left_out(1, 0), {}, REQUEUE),
+    ("no spare, the partition too small for a requeue: 2 nodes if the options fit",
+     left_out(2, 0, wanted=3, partition=2), {}, Action("fewer", nodes=2, otherwise=stop(NO_FIT))),
+    ("every node left out, the partition has others", left_out(0, 0, allocated=2, partition=2), {}, REQUEUE),
+    ("every node left out, the partition too small for a requeue", left_out(0, 0, allocated=2, partition=1),
+     {}, stop(NO_NODE)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("facts, knobs, action", [pytest.param(*row[1:], id=row[0]) for row in AFTER_FAILURE])
+def test_after_a_failure_the_job_checks_restarts_swaps_a_spare_shrinks_requeues_or_stops(
+    facts, knobs, action
+):
+    assert after_failure(facts, argparse.Namespace(**{**TABLE_KNOBS, **knobs})) == action
 
 
 @pytest.mark.parametrize("usr1_first", [False, True], ids=["scancel", "scancel after SIGUSR1"])
@@ -803,15 +889,21 @@ def test_bad_knobs_are_refused_in_one_line(tmp_path):
         ("NPROC_PER_NODE", "0", 1),
     ):
         with pytest.raises(job.JobError) as refused:
-            job.read_knobs({**script_knobs(), name: value})
+            read_knobs({**script_knobs(), name: value})
         assert str(refused.value) == f"{name}={value}: give a whole number, {least} or more"
+        assert refused.value.status == 2
+    # a switch is 0 or 1: SKIP_BENCHMARK=2 was taken, and the job's lines said SKIP_BENCHMARK=1
+    for name, value in (("SKIP_BENCHMARK", "2"), ("REQUIRE_GPUS", "yes"), ("BENCHMARK_ONLY", "")):
+        with pytest.raises(job.JobError) as refused:
+            read_knobs({**script_knobs(), name: value})
+        assert str(refused.value) == f"{name}={value}: give 0 (off) or 1 (on)"
         assert refused.value.status == 2
     # the job started without slurm_submit.sh, which alone gives the defaults
     missing = {name: value for name, value in script_knobs().items() if name != "MAX_REQUEUES"}
     with pytest.raises(
         job.JobError, match=r"^MAX_REQUEUES is not set: the job takes its knobs from slurm_submit"
     ):
-        job.read_knobs(missing)
+        read_knobs(missing)
     for name in ("SLURM_GPUS_ON_NODE", "SLURM_NNODES"):
         start = job.Job(knobs_of(), FakeSlurm(tmp_path, None), [], "python", {name: "abc"})
         with pytest.raises(
@@ -819,6 +911,40 @@ def test_bad_knobs_are_refused_in_one_line(tmp_path):
         ) as refused:
             start.run()
         assert refused.value.status == 2
+
+
+def test_each_knob_the_scripts_set_is_one_the_job_takes_with_its_default_stated_once():
+    """slurm_submit.sh states each knob's default, on its export line; the job says what each one takes
+    (KNOBS), and docs/SLURM.md lists the defaults: a knob added, dropped or changed in one of them alone fails
+    here, as does a default, or a value benchmark_only.sh sets over slurm_submit.sh's, that the job refuses
+    or reads as another."""
+    defaults = script_knobs()
+    assert list(defaults) == list(KNOBS)  # in the order the job's first lines say them
+    handover = (REPO / "benchmark_only.sh").read_text().splitlines()[-1]
+    assert handover.endswith('exec bash slurm_submit.sh "$@"'), handover
+    benchmark_only = {**defaults, **dict(re.findall(r"\b([A-Z_]+)=(\S*)", handover))}
+    assert list(benchmark_only) == list(KNOBS) and benchmark_only["BENCHMARK_ONLY"] == "1", handover
+    for environ in (defaults, benchmark_only):
+        assert {name: str(value) for name, value in vars(read_knobs(environ)).items()} == environ
+    docs = (REPO / "docs" / "SLURM.md").read_text()
+    section = docs[docs.index("## Knobs") : docs.index("## How a job runs")]
+    documented = dict(re.findall(r"^\| `([A-Z_]+)` \| *([^|]*?) *\|", section, re.M))
+    assert {name: documented.get(name) for name in KNOBS} == defaults
+
+
+def test_the_job_runs_on_a_python_without_torch():
+    """In a container the job runs on the host's python3, which may have none of the packages: without
+    site-packages (python -S) it starts, reads its knobs and refuses the missing one."""
+    result = subprocess.run(
+        [sys.executable, "-S", "-m", "run.job"],
+        cwd=REPO,
+        env={"PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("error: SKIP_BENCHMARK is not set: the job takes its knobs"), result
 
 
 def test_the_job_runs_with_the_knobs_slurm_submit_sh_sets(tmp_path):
@@ -836,7 +962,7 @@ def test_the_job_runs_with_the_knobs_slurm_submit_sh_sets(tmp_path):
     assert result.returncode == 2, result.stdout + result.stderr
     (line,) = re.findall(r"^\d\d:\d\d:\d\d knobs: (.*)$", result.stdout, re.M)
     said = dict(knob.split("=", 1) for knob in shlex.split(line))
-    assert said == {name: script_knobs()[name] for name in job.KNOBS}, (said, script_knobs())
+    assert said == {name: script_knobs()[name] for name in KNOBS}, (said, script_knobs())
     assert "error: unknown option --batch_sise; did you mean --batch_size?" in result.stderr
 
 
@@ -1069,7 +1195,7 @@ def test_a_failure_of_the_job_itself_ends_the_launch_it_watches(tmp_path):
         raise RuntimeError("the job's own bug")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(job_launch.Watch, "look", broken)
+        patch.setattr(Watch, "look", broken)
         with pytest.raises(RuntimeError, match="the job's own bug"):
             run_job(scheduler, SKIP_BENCHMARK=1)
     assert len(scheduler.ended) == 1 and scheduler.ended[0].returncode == 130

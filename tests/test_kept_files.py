@@ -17,8 +17,9 @@ from conftest import ODD, TINY, make_odd, parse_options, read_metrics, validated
 import benchmark
 from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, read_regular
-from run import benchmark_reports, launch, options
+from run import launch, options
 from run.checkpoint import set_aside
+from run.job import benchmark_reports
 from run.prediction import plan
 from run.progress import run_log
 

@@ -403,7 +403,7 @@ def test_a_heartbeat_that_cannot_be_written_is_said_once_and_not_left_stale(smal
     stopped there; its write failed without a word."""
     import threading
 
-    from run import heartbeats
+    from run.job import heartbeats
 
     monkeypatch.setattr(heartbeats, "HEARTBEAT_S", 0.0)  # a beat at every call, not every 5 s
     disk = small_disks(1)

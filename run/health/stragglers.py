@@ -1,6 +1,6 @@
 """Stragglers in training: each rank's compute and data-wait time per log window, gathered on rank 0, which
 names a rank slower than its peers (common/stragglers.py's rule) and, after exclude_stragglers_after windows
-in a row, leaves its node out: the node is written down as a suspect for the job (run/job.py), and a stop is
+in a row, leaves its node out: the node is written down as a suspect for the job (run/job/), and a stop is
 posted, so that the run checkpoints and the job goes on without the node."""
 
 import os

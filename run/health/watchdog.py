@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from common.node import node_name
 from common.suspects import suspects_folder, write_suspects
-from run.heartbeats import HEARTBEAT_S, SILENT_S, Heartbeats
+from run.job.heartbeats import HEARTBEAT_S, SILENT_S, Heartbeats
 
 HUNG = 3  # exit status of a rank its watchdog ended
 # Process-group timeouts, as torchtitan's set_pg_timeouts: generous until the first step is done (compiling,
@@ -99,7 +99,7 @@ class Watchdog:
 
     def end(self):
         """The rank's last heartbeat says that it ended, so that the job does not take it for a silent one
-        (run/heartbeats.py); the watch ends with it."""
+        (run/job/heartbeats.py); the watch ends with it."""
         with self.beating:
             self.ended = True
             self.heartbeats.write(ended=True)

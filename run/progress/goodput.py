@@ -11,7 +11,7 @@ The parts add up to wall_s, from the first launch's start to the last update:
   launch did after its last update);
 - other_s: the rest (logging, teardown), never hidden.
 
-Beside the parts, `recoveries`: each failure the job (run/job.py) recovered from inside its allocation or by
+Beside the parts, `recoveries`: each failure the job (run/job/) recovered from inside its allocation or by
 a requeue, with its cause, node and action, timed from the failure to the next launch's first step. The job
 measures its part (detection, teardown, the wait before the relaunch) and leaves it in <run folder>/
 recovery.json; the next launch's rank 0 adds its own (start-up, checkpoint load, lost steps) and records it
@@ -57,7 +57,7 @@ def launch_start():
 
 
 def benchmark_seconds(master):
-    """$BENCHMARK_SECONDS: how long the job's benchmarks ran before this launch (run/job.py sets it); 0 when
+    """$BENCHMARK_SECONDS: how long the job's benchmarks ran before this launch (the job sets it); 0 when
     unset, and when it is not a finite number of seconds, with one warning (rank 0's)."""
     text = os.environ.get("BENCHMARK_SECONDS")
     if text is None:

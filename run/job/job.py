@@ -1,22 +1,20 @@
-"""The job that slurm_submit.sh and benchmark_only.sh hand over to, phase after phase:
+"""The job that slurm_submit.sh and benchmark_only.sh hand over to (python -m run.job), phase after phase:
 1. train.py's options are checked first, on one node: a typo costs seconds, not the benchmarks;
 2. benchmark.py on every node (a requeued job skips it once it passed); a node it fails is left out;
 3. training on all nodes but SPARE_NODES of them, kept ready, with SLURM's SIGUSR1 (the time limit is near)
    passed on to the workers, and a node that froze found by its heartbeats; a stop (SIGTERM, SIGINT) ends the
    job once the workers have checkpointed and exited;
-4. after a failure, the recovery (run/recovery.py): a restart in place, a spare for a bad node, fewer nodes,
-   or a requeue without it;
+4. after a failure, what run/job/decisions.py decides, carried out here: a restart in place, a spare for a
+   bad node, fewer nodes, or a requeue without it (run/job/requeue.py);
 5. at the time limit, the requeue that resumes from the checkpoint.
-Knobs come from the environment (slurm_submit.sh sets them); the arguments go to train.py, or to
-benchmark.py under benchmark_only.sh. Outside SLURM the same phases run on this machine: the quick start.
-Every call to SLURM goes through run/slurm.py. Standard library only (see run/slurm.py)."""
+Knobs come from the environment (run/job/knobs.py); the arguments go to train.py, or to benchmark.py under
+benchmark_only.sh. Outside SLURM the same phases run on this machine: the quick start. Every call to SLURM
+goes through run/job/slurm.py. Standard library only."""
 
-import argparse
 import os
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,9 +22,8 @@ from pathlib import Path
 
 from common import suspects
 from common.files import read_json, write_atomically
-from common.node import node_name
-from run import slurm
-from run.benchmark_reports import (
+from run.job import requeue
+from run.job.benchmark_reports import (
     last_outcome,
     numbered,
     outcome_path,
@@ -34,20 +31,13 @@ from run.benchmark_reports import (
     report_names,
     split_report,
 )
-from run.heartbeats import HEARTBEAT_S
-from run.job_launch import Watch
+from run.job.decisions import FailedLaunch, after_failure, after_training
+from run.job.heartbeats import HEARTBEAT_S
+from run.job.launch import Failure, Watch
+from run.job.lines import JobError, Stopped, log, nodes, stopped
+from run.job.start import gpus_per_node, job_hosts, phase_arguments, spare_count, usable_nodes
 from run.progress import goodput
-from run.recovery import JobError, Recovery, Stopped, after_training, log, stopped
 
-# Each knob and what it takes: a whole number, at least this one, or str (text). slurm_submit.sh sets every
-# one, with its default and what it does: the job has no default of its own.
-KNOBS = {"SKIP_BENCHMARK": 0, "CONTINUE_ON_BENCHMARK_FAILURE": 0, "NPROC_PER_NODE": 1, "REQUIRE_GPUS": 0,
-         "MAX_REQUEUES": 0, "MAX_EXCLUDED_NODES": 0, "SPARE_NODES": 0, "MAX_RESTARTS": 0, "BENCHMARK_ONLY": 0,
-         "BENCHMARK_ARGS": str, "CONTAINER_IMAGE": str}  # fmt: skip
-# train.py's arguments on nodes without GPUs, before the user's, which override them
-CPU_RUN = ["--model=tiny", "--data=dummy", "--max_steps=40", "--seq_length=64", "--batch_size=4", "--lr=3e-3",
-           "--warmup_steps=4", "--compile=False", "--activation_checkpointing=none", "--log_every=5",
-           "--log_dir=logs/quickstart"]  # fmt: skip
 # SIGUSR1 with more than EARLY_SIGNAL of the time limit left, beyond the SIGNAL_EARLINESS_S by which SLURM
 # may send it early (sbatch(1): "up to 60 seconds earlier than specified"): the signal's lead is longer than
 # the limit allows, and each start would requeue at once; the job stops with SCALED_LEAD of the limit left.
@@ -60,48 +50,10 @@ STOP_FILE = "stop_requested"  # in the run folder: rank 0 looks for it (JOB_STOP
 ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
-def read_knobs(environ):
-    knobs = {}
-    for name, least in KNOBS.items():
-        if name not in environ:
-            raise JobError(
-                f"{name} is not set: the job takes its knobs from slurm_submit.sh, which sets each one; "
-                "start it with sbatch slurm_submit.sh (or bash slurm_submit.sh outside SLURM)",
-                2,
-            )
-        value = environ[name]
-        if least is not str and not (whole_number(value) and int(value) >= least):
-            raise JobError(f"{name}={value}: give a whole number, {least} or more", 2)
-        knobs[name] = value if least is str else int(value)
-    return argparse.Namespace(**knobs)
-
-
-def whole_number(text):
-    """Digits 0-9 alone: str.isdigit() takes '²' too, which int() refuses."""
-    return text.isascii() and text.isdigit()
-
-
-def slurm_count(environ, name, default):
-    """A count SLURM sets (SLURM_GPUS_ON_NODE, SLURM_NNODES), or default where it is unset."""
-    value = environ.get(name) or str(default)
-    if not whole_number(value):
-        raise JobError(
-            f"{name}={value} is not a whole number: SLURM sets it in a job; unset it outside one", 2
-        )
-    return int(value)
-
-
-def visible_gpus():
-    if not shutil.which("nvidia-smi"):
-        return 0
-    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
-    return sum(line.startswith("GPU") for line in listed.splitlines())
-
-
-class Job(Recovery):
+class Job:
     """One start of the job: run() goes through the phases and returns the job's exit status. Of its nodes
     (nodes: those of the allocation it has not left out), it trains on `training`, and keeps the others as
-    spares."""
+    spares, and carries out the decisions after a failure (run/job/decisions.py)."""
 
     def __init__(self, knobs, scheduler, argv, python, environ):
         self.knobs, self.scheduler, self.argv, self.python = knobs, scheduler, argv, python
@@ -112,7 +64,7 @@ class Job(Recovery):
         self.ending = None  # the first of ENDING to come: no phase starts after it
         self.clock, self.poll_s, self.retry_s, self.beats_s = time.monotonic, 1.0, 0.3, HEARTBEAT_S
         self.run_folder, self.benchmark_s, self.process, self.benchmarks_run = None, 0.0, None, 0
-        self.train_args, self.restarts_in_place = None, 0
+        self.train_args, self.bench_args, self.restarts_in_place = None, None, 0
 
     def on_signal(self, number, _frame):
         self.signals.append(number)
@@ -124,8 +76,8 @@ class Job(Recovery):
                 "through SLURM (pyxis), and this is no SLURM job: unset it to run here, or use sbatch",
                 2,
             )
-        gpus = self.gpus()
-        hosts = self.hosts()
+        gpus = gpus_per_node(self.environ, self.knobs, self.scheduler.in_job)
+        hosts = job_hosts(self.scheduler, self.environ)
         self.nproc = gpus or self.knobs.NPROC_PER_NODE
         where = f"job {self.scheduler.job_id} on {' '.join(hosts)}" if self.scheduler.in_job else hosts[0]
         device = "GPUs" if gpus else "CPU"
@@ -138,10 +90,11 @@ class Job(Recovery):
             + " ".join(f"{name}={shlex.quote(str(value))}" for name, value in vars(self.knobs).items())
         )
         self.allocated = len(hosts)
-        self.nodes = self.usable(hosts)
-        self.training = self.nodes[: len(self.nodes) - self.spares()]
+        self.nodes = usable_nodes(self.scheduler, hosts)
+        self.training = self.nodes[: len(self.nodes) - spare_count(self.knobs, self.allocated, self.nodes)]
         self.training_count = len(self.training)
-        train_args, bench_args = self.arguments(gpus)
+        world = self.nproc * len(self.training)
+        train_args, bench_args = phase_arguments(self.knobs, gpus, world, self.scheduler.in_job, self.argv)
         if self.knobs.BENCHMARK_ONLY:
             status, _, _, failure = self.benchmark(bench_args, self.nodes)
             if failure:
@@ -155,7 +108,7 @@ class Job(Recovery):
         if failure:
             print(f"{failure}; CONTINUE_ON_BENCHMARK_FAILURE=1, so training anyway")
         if ran and self.stop:  # the time limit came during the benchmarks: the requeued run goes on to train
-            return self.requeue(1)
+            return self.requeue_to_resume(1)
         status = self.train(train_args, report)
         if status == 0 and not self.scheduler.in_job and not gpus:
             print(
@@ -163,89 +116,6 @@ class Job(Recovery):
                 "[train.py arguments] (docs/SLURM.md)."
             )
         return status
-
-    def gpus(self):
-        seen = visible_gpus()
-        gpus = slurm_count(self.environ, "SLURM_GPUS_ON_NODE", seen)
-        host = node_name()
-        if gpus and not seen:
-            raise JobError(f"the job has {gpus} GPUs per node but nvidia-smi sees none on {host}")
-        if not gpus and self.knobs.REQUIRE_GPUS:
-            if not self.scheduler.in_job:
-                raise JobError(
-                    "no SLURM job and no GPU here (REQUIRE_GPUS=1): run sbatch slurm_submit.sh on "
-                    "a GPU cluster"
-                )
-            raise JobError(
-                f"no GPU on {host} (REQUIRE_GPUS=1): add --gpus-per-node to the #SBATCH lines or "
-                "pick a GPU partition"
-            )
-        return gpus
-
-    def hosts(self):
-        hosts = self.scheduler.hostnames()
-        count = slurm_count(self.environ, "SLURM_NNODES", len(hosts))
-        if len(hosts) != count:
-            raise JobError(
-                f"SLURM_NNODES={count} but the job has {len(hosts)} nodes ({' '.join(hosts)}): "
-                "torchrun would wait forever"
-            )
-        return hosts
-
-    def usable(self, hosts):
-        """The nodes to run on: the job's, but for those it left out before (heal), which stay out even when
-        SLURM allocates them again, as it may when the requeue's ExcNodeList came too late. The job's
-        comment keeps them (squeue -o %k shows it)."""
-        gone = slurm.left_out(self.scheduler.comment())
-        nodes = [host for host in hosts if host not in gone]
-        if not nodes:
-            raise JobError(
-                f"this job left out every node it has now: {' '.join(hosts)} (left_out={','.join(gone)})"
-            )
-        if len(nodes) < len(hosts):
-            log(
-                f"running on {' '.join(nodes)} alone: this job left out {','.join(gone)} before "
-                f"(its comment: squeue -j {self.scheduler.job_id} -o %k)"
-            )
-        return nodes
-
-    def spares(self):
-        """How many of the nodes this start keeps as spares: SPARE_NODES, or fewer when a requeued start has
-        fewer nodes; it trains on one at least."""
-        wanted = 0 if self.knobs.BENCHMARK_ONLY else self.knobs.SPARE_NODES
-        if wanted and self.allocated <= wanted:
-            raise JobError(
-                f"SPARE_NODES={wanted} leaves no node to train on: the job has {self.allocated} node(s); "
-                f"ask for the nodes to train on and {wanted} more (#SBATCH --nodes=N+{wanted}, or sbatch "
-                "--nodes)",
-                2,
-            )
-        kept = min(wanted, len(self.nodes) - 1)
-        if wanted:
-            spares = " ".join(self.nodes[len(self.nodes) - kept :])
-            named = f"{spares} kept as spare{'s' * (kept > 1)}" if kept else "no spare"
-            log(f"training on {len(self.nodes) - kept} nodes, {named} (SPARE_NODES={wanted})")
-        return kept
-
-    def arguments(self, gpus):
-        """train.py's and benchmark.py's arguments: the defaults for the job's devices, then the user's."""
-        bench_args = self.knobs.BENCHMARK_ARGS.split()
-        if gpus:
-            # GPU runs train on wikitext-103 unless the arguments say otherwise; compute nodes without
-            # internet need `python train.py --prepare_only --data=wikitext` once on a login node
-            train_args = ["--data=wikitext"]
-        else:  # a run small enough for CPUs: 4 sequences per process, at least 16 per step
-            world = self.nproc * len(self.training)
-            bench_args = ["--quick", *bench_args]
-            train_args = [*CPU_RUN, f"--global_batch_size={4 * world * ((4 + world - 1) // world)}"]
-            if not self.scheduler.in_job:
-                # the quick start: a new run each time, which shows the loss falling again rather than
-                # resuming the finished one (pass --run_name=... to resume instead)
-                train_args += ["--checkpoint_dir=logs/quickstart/checkpoints", "--keep_last=1",
-                               f"--run_name=quickstart-{time.strftime('%Y%m%d-%H%M%S')}"]  # fmt: skip
-        if self.knobs.BENCHMARK_ONLY:
-            return train_args, [*bench_args, *self.argv]
-        return [*train_args, *self.argv], bench_args
 
     def options_fit(self, train_args, nodes):
         """train.py --check_only, for a world of that many nodes: the run's log folder, where a failed phase
@@ -274,16 +144,16 @@ class Job(Recovery):
     def benchmarks(self, bench_args):
         """Phase 1 on every node, as benchmark() returns it; where the job may not train on these nodes, the
         job's exit status is the first of the four. The nodes the benchmark fails are left out, and the job
-        requeues without them, or goes on here with the others (run/recovery.py), benchmarked again."""
+        requeues without them, or goes on here with the others (after_failure), benchmarked again."""
         status, report, ran, failure = self.benchmark(bench_args, self.nodes)
         while failure and not self.knobs.CONTINUE_ON_BENCHMARK_FAILURE:
-            gone = self.blame(status) if self.may_leave_out() and self.failed else []
-            action = self.without(gone) if gone else None
-            if action in (None, "requeue"):
+            failed = self.facts(status, bool(self.failed_nodes), benchmark=True)
+            done = self.carry_out(after_failure(failed, self.knobs), failed)
+            if done in (None, "requeue"):
                 then = "CONTINUE_ON_BENCHMARK_FAILURE=1 trains anyway"
                 print(f"error: {failure}; not training ({then})", file=sys.stderr)
-                return (self.requeue_left_out(status) if action else status), None, ran, failure
-            log(f"benchmarking {' '.join(self.nodes)} again, without {','.join(gone)}")
+                return (self.requeue_without(status) if done else status), None, ran, failure
+            log(f"benchmarking {' '.join(self.nodes)} again, without {','.join(failed.left_out)}")
             status, report, ran, failure = self.benchmark(bench_args, self.nodes)
         return status, report, ran, failure
 
@@ -291,9 +161,9 @@ class Job(Recovery):
         """benchmark.py on nodes. Returns its status (0: its verdict lets the job train), the report to give
         training (None: none), whether it ran, and why the job may not train (None: it may), from the
         outcome benchmark.py writes for the job, never from its exit status alone: a benchmark that stopped
-        before a verdict failed no check. The nodes it fails: self.failed. again: a check after a crash,
+        before a verdict failed no check. The nodes it fails: self.failed_nodes. again: a check after a crash,
         which an earlier start's passing benchmark does not stand in for."""
-        self.failed = {}
+        self.failed_nodes = {}
         if self.knobs.SKIP_BENCHMARK:
             print("SKIP_BENCHMARK=1: skipping the benchmarks")
             return 0, None, False, None
@@ -328,7 +198,7 @@ class Job(Recovery):
             why = f"the benchmark stopped before a verdict (exit {status}; see its output above)"
             return status or 1, None, True, why
         if outcome["verdict"] == "fail":
-            self.failed = outcome["failed_nodes"]
+            self.failed_nodes = outcome["failed_nodes"]
             blamed = ", ".join(outcome["failed_nodes"]) or "no node"
             why = (
                 f"the benchmark's verdict is fail (exit {status}), blaming {blamed}: its failing checks are "
@@ -357,28 +227,155 @@ class Job(Recovery):
             if move == "done":
                 return 0
             if move == "end":
-                what = f"training exited (status {watch.status}) and is not restarted; {self.to_resume()}"
+                resume = requeue.how_to_resume(self.run_folder)
+                what = f"training exited (status {watch.status}) and is not restarted; {resume}"
                 if self.ending:
                     raise stopped(self.ending, what)
                 raise Stopped(f"stopped by a stop signal to the training processes: {what}", watch.status)
-            if move == "requeue":  # a node to blame as well is left out of the requeued start
-                blamed = self.may_leave_out() and (watch.failure or watch.blamed())
-                return (
-                    watch.status
-                    if blamed and self.blame(watch.status) is None
-                    else self.requeue(watch.status)
-                )
+            if move == "requeue":
+                return self.requeue_for_time_limit(watch)
             status = self.recover(watch)
             if status is not None:
                 return status
             if self.stop:  # the time limit came while the job recovered: the requeued start trains
-                return self.requeue(watch.status)
+                return self.requeue_to_resume(watch.status)
+
+    def recover(self, watch):
+        """After a failed training launch (watch, run/job/launch.py), after_failure's decision carried out:
+        None to launch again, or the job's exit status."""
+        found = watch.failure or watch.blamed()  # a node the launch blamed, or a crash that blames none
+        failure = found or Failure("crash", {}, watch.progress_at, watch.ended_at)
+        launch = {"said_error": watch.said_error, "trained": watch.trained}
+        failed = self.facts(watch.status, found is not None, **launch)
+        action = after_failure(failed, self.knobs)
+        if action.kind == "check":
+            failure.nodes, check = self.check_nodes(watch.status)
+            failed = self.facts(watch.status, bool(failure.nodes), check=check, **launch)
+            action = after_failure(failed, self.knobs)
+        if action.kind == "restart":
+            self.restart_in_place(failure, watch)
+            return None
+        if failed.left_out:
+            log(f"{failure.cause}: {failure.named()}")
+        done = self.carry_out(action, failed)
+        if done is None:
+            return watch.status
+        self.note(failure, done, watch)
+        return self.requeue_without(watch.status) if done == "requeue" else None
+
+    def facts(self, status, named, **launch):
+        """What after_failure decides from, once the nodes blamed (named: whether the launch blamed any) are
+        left out where the job may; launch: what the launch that failed said of itself (FailedLaunch's
+        fields)."""
+        gone, too_many = [], ""
+        if named and self.may_leave_out():
+            gone, too_many = requeue.leave_out(self.scheduler, self.run_folder, self.knobs.MAX_EXCLUDED_NODES)
+            self.nodes = [node for node in self.nodes if node not in gone]
+            self.training = [node for node in self.training if node not in gone]
+        return FailedLaunch(
+            status, named=named, left_out=tuple(gone), too_many=too_many, **launch,
+            restarts=self.restarts_in_place, training=len(self.training),
+            spares=len(self.nodes) - len(self.training), wanted=self.training_count,
+            partition=requeue.partition_left(self.scheduler, self.run_folder) if gone else None,
+            allocated=self.allocated,
+        )  # fmt: skip
+
+    def may_leave_out(self):
+        return bool(self.scheduler.in_job and self.run_folder and self.knobs.MAX_EXCLUDED_NODES > 0)
+
+    def check_nodes(self, status):
+        """The benchmark of the training nodes, after a crash that blamed no node: ({node: why} of the nodes
+        it fails, ""), or ({}, why) where it fails and names no node; ({}, "") where it passes them."""
+        log(f"a rank crashed (training exited with status {status}, no node named): benchmarking its nodes")
+        _, _, _, failure = self.benchmark(self.bench_args, self.training, again=True)
+        if failure is None:
+            return {}, ""
+        blamed = suspects.read_suspects(suspects.suspects_folder(self.run_folder))[0]
+        return (blamed, "") if blamed else ({}, failure)
+
+    def restart_in_place(self, failure, watch):
+        self.restarts_in_place += 1
+        checked = "no check (SKIP_BENCHMARK=1)" if self.knobs.SKIP_BENCHMARK else "the benchmark passed them"
+        log(
+            f"restarting in place on {' '.join(self.training)} ({checked}): restart {self.restarts_in_place} "
+            f"of at most MAX_RESTARTS={self.knobs.MAX_RESTARTS}"
+        )
+        self.note(failure, "in place", watch)
+
+    def carry_out(self, action, failed):
+        """Carries out after_failure's action once nodes are left out (failed): what the job did, to note for
+        the ledger ("spare <nodes> for <nodes>", "fewer nodes", or "requeue", which the caller does), or None
+        where it stops (said)."""
+        named, why = ",".join(failed.left_out), requeue.why_file(self.run_folder)
+        if action.kind == "spare":
+            spares = ",".join(self.take_spares())
+            left = len(self.nodes) - len(self.training)
+            log(
+                f"leaving out {named} ({why}); training on {' '.join(self.training)}, with the spare "
+                f"{spares} ({left} spare{'s' * (left != 1)} left)"
+            )
+            return f"spare {spares} for {named}"
+        if failed.short:
+            log(
+                f"the job's partition has {nodes(failed.partition)} usable besides those it left out, "
+                f"fewer than the {self.allocated} this start was given: a requeue would have no more, and if "
+                f"it asks for {self.allocated} never starts (sinfo -N: the nodes' states)"
+            )
+        if action.kind == "fewer":
+            self.take_spares()
+            if self.options_fit(self.train_args, action.nodes):
+                log(
+                    f"leaving out {named} ({why}); no spare left: going on with {' '.join(self.training)}, "
+                    f"as train.py's options fit {nodes(action.nodes)}"
+                )
+                self.training_count = action.nodes
+                return "fewer nodes"
+            if action.otherwise.kind == "requeue":
+                log(f"train.py's options do not fit {nodes(action.nodes)} (above): requeueing instead")
+            action = action.otherwise
+        if action.line:
+            print(action.line, file=sys.stderr)
+        return "requeue" if action.kind == "requeue" else None
+
+    def take_spares(self):
+        """Spares into training, where nodes left out left room: the spares taken."""
+        spares = [node for node in self.nodes if node not in self.training]
+        taken = spares[: max(0, self.training_count - len(self.training))]
+        self.training += taken
+        return taken
+
+    def note(self, failure, action, watch):
+        """The job's part of the recovery, for the next launch's ledger."""
+        goodput.write_recovery(
+            self.run_folder, failure.cause, failure.nodes, action, failure.failed_at, failure.detected_at,
+            watch.ended_at,
+        )  # fmt: skip
+
+    def requeue_for_time_limit(self, watch):
+        """The time limit is near: the requeue that resumes from the checkpoint, without the nodes the launch
+        blamed as well; past MAX_EXCLUDED_NODES the job stops, saying so."""
+        if self.may_leave_out() and (watch.failure or watch.blamed()):
+            too_many = requeue.leave_out(self.scheduler, self.run_folder, self.knobs.MAX_EXCLUDED_NODES)[1]
+            if too_many:
+                print(f"error: stopping: {too_many}", file=sys.stderr)
+                return watch.status
+        return self.requeue_to_resume(watch.status)
+
+    def requeue_to_resume(self, status):
+        return requeue.to_resume(
+            self.scheduler, self.knobs.MAX_REQUEUES, self.run_folder, status, self.retry_s
+        )
+
+    def requeue_without(self, status):
+        return requeue.without_left_out(
+            self.scheduler, self.knobs.MAX_REQUEUES, self.run_folder, status, self.retry_s
+        )
 
     def stop_file(self):
         return os.path.join(self.run_folder, STOP_FILE)
 
     def launch(self, script, args, env, nodes):
-        """One phase, torchrun on nodes, watched until it exits (run/job_launch.py). Meanwhile it hands a stop
+        """One phase, torchrun on nodes, watched until it exits (run/job/launch.py). Meanwhile it hands a stop
         on to the workers, and ends a launch whose node failed without ending it: a node silent or blamed
         for a hang, whose srun never ends by itself."""
         if self.run_folder:
@@ -430,8 +427,8 @@ class Job(Recovery):
         """A stop: the job ends once the launch running has exited, and no phase starts after it. In a job
         SLURM signals every process of the job (scancel, the end of the time limit, a preemption), and the
         job waits for its workers, asked by the stop file too. Outside SLURM the launch runs in a session of
-        its own (run/slurm.py), and this process alone gets the signal, sent to it (kill) or to its process
-        group (Ctrl-C): the launch gets each one from here, once."""
+        its own (run/job/slurm.py), and this process alone gets the signal, sent to it (kill) or to its
+        process group (Ctrl-C): the launch gets each one from here, once."""
         self.ending = self.ending or number
         if self.process is None:
             raise stopped(self.ending, "before the next phase started")
@@ -458,30 +455,3 @@ class Job(Recovery):
             file=sys.stderr,
             flush=True,
         )
-
-
-def main(argv):
-    sys.stdout.reconfigure(line_buffering=True)  # the job's lines among its workers', in order
-    try:
-        knobs = read_knobs(os.environ)
-        scheduler = slurm.scheduler(os.environ, knobs.CONTAINER_IMAGE)
-        # in a container, the job itself runs on the host's python3, its workers on the container's python
-        python = "python" if knobs.CONTAINER_IMAGE and scheduler.in_job else sys.executable
-        job = Job(knobs, scheduler, argv, python, dict(os.environ))
-        signal.signal(signal.SIGUSR1, job.on_signal)  # SLURM sends it to the job alone
-        for number in ENDING:
-            if signal.getsignal(number) != signal.SIG_IGN:  # nohup's SIGHUP stays ignored
-                signal.signal(number, job.on_signal)
-        if os.environ.get("JOB_SIGUSR1"):  # it came before this process started (slurm_submit.sh)
-            job.signals.append(signal.SIGUSR1)
-        return job.run()
-    except Stopped as stop:
-        log(str(stop))
-        return stop.status
-    except JobError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return error.status
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

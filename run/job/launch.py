@@ -1,9 +1,9 @@
-"""One launch of a job's phase (run/job.py), as the job watches it while it runs. Its stderr comes through the
-job, line by line, which notes a line beginning 'error: ': train.py's one line when it stops on purpose (bad
-input, a diverging loss; common/errors.py), a failure that no restart mends. While it trains, the job reads
-every rank's heartbeat (run/heartbeats.py) and the suspects folder: a node whose ranks all fell silent, or a
-node that a hang's watchdog blamed HANG_GRACE_S ago while the launch still runs, is a failure the launch does
-not end by itself; the job ends it. Standard library only (see run/slurm.py)."""
+"""One launch of a job's phase (run/job/job.py), as the job watches it while it runs. Its stderr comes through
+the job, line by line, which notes a line beginning 'error: ': train.py's one line when it stops on purpose
+(bad input, a diverging loss; common/errors.py), a failure that no restart mends. While it trains, the job
+reads every rank's heartbeat (run/job/heartbeats.py) and the suspects folder: a node whose ranks all fell
+silent, or a node that a hang's watchdog blamed HANG_GRACE_S ago while the launch still runs, is a failure the
+launch does not end by itself; the job ends it. Standard library only (see run/job/__init__.py)."""
 
 import dataclasses
 import os
@@ -12,7 +12,7 @@ import threading
 import time
 
 from common import suspects
-from run.heartbeats import HEARTBEAT_S, LaunchBeats
+from run.job.heartbeats import HEARTBEAT_S, LaunchBeats
 
 HANG_GRACE_S = 15  # a watchdog blamed a node this long ago and the launch goes on: that node froze
 

@@ -1,6 +1,6 @@
-"""The benchmark reports of a job (run/job.py): which report each start writes, under a name no other job's
-can take, and the outcome benchmark.py leaves beside it for the job, from which the job learns the verdict.
-Standard library only (see run/slurm.py)."""
+"""The benchmark reports of a job (run/job/job.py): which report each start writes, under a name no other
+job's can take, and the outcome benchmark.py leaves beside it for the job, from which the job learns the
+verdict. Standard library only (see run/job/__init__.py)."""
 
 import argparse
 import itertools
@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from common.files import UnsafeFile, read_json
-from run import slurm
+from run.job import slurm
 
 
 def split_report(bench_args):

@@ -1,10 +1,9 @@
 """Every rank's heartbeat, and what the beats tell of a node: <log_dir>/<run_name>/heartbeats/rank<R>.json,
-rewritten by each rank's watchdog thread (run/watchdog.py). A hung rank's watchdog reads them to name the
-node its hang waits for; the job (run/job.py) reads them while a launch runs, to find a node whose ranks fell
-silent (a stopped, dead or cut-off node) within SILENT_S whatever the step time, and to time a failure.
-Standard library only: the job may run on a python without torch (run/slurm.py)."""
+rewritten by each rank's watchdog thread (run/health/watchdog.py). A hung rank's watchdog reads them to name
+the node its hang waits for; the job (run/job/job.py) reads them while a launch runs, to find a node whose
+ranks fell silent (a stopped, dead or cut-off node) within SILENT_S whatever the step time, and to time a
+failure. Standard library only: the job may run on a python without torch (run/job/__init__.py)."""
 
-import atexit
 import contextlib
 import json
 import math
@@ -74,8 +73,9 @@ def beat_problem(beat):
 
 class Heartbeats:
     """<folder>/heartbeats/rank<R>.json, rewritten every HEARTBEAT_S by the rank's watchdog thread: its node,
-    the steps it has completed, whether its training thread waits in a collective, and the time; a last one
-    says the process ended (ended: true), so that a rank that left is not taken for a silent one. token
+    the steps it has completed, whether its training thread waits in a collective, and the time; a last one,
+    write(ended=True) as the rank's training ends however it ends (the watchdog's end()), says the process
+    ended, so that a rank that left is not taken for a silent one (a killed or hung rank writes none). token
     names the launch: files an earlier launch left are ignored."""
 
     def __init__(self, folder, rank, world_size, token, thread_id):
@@ -84,7 +84,6 @@ class Heartbeats:
         self.unwritten = False  # whether a write failed, which is said once
         self.damaged = set()  # the beats found damaged, each said once
         os.makedirs(self.folder, exist_ok=True)
-        atexit.register(self.write, ended=True)  # not reached by a killed, stopped or hung (_exit) rank
 
     def beat(self, steps):
         """Called often; writes at most every HEARTBEAT_S."""

@@ -1,7 +1,7 @@
-"""The job's scheduler: every call run/job.py makes to srun, scontrol and squeue goes through Slurm, and
-Local stands in for it outside a SLURM job (one node, this machine). Tests drive the job through a fake with
-the same methods (tests/test_job.py). Standard library only: a job run in a container starts this with the
-host's python3."""
+"""The job's scheduler: every call the job makes to srun, scontrol and squeue goes through Slurm, and Local
+stands in for it outside a SLURM job (one node, this machine). Tests drive the job through a fake with the
+same methods (tests/test_job.py). Standard library only: a job run in a container starts this with the host's
+python3."""
 
 import os
 import re
@@ -40,14 +40,14 @@ class Local:
         return None
 
     def torchrun(self, python, nodes, nproc):
-        """torchrun restarts nothing itself: the job does, choosing the nodes (run/job.py)."""
+        """torchrun restarts nothing itself: the job does, choosing the nodes (run/job/job.py)."""
         return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                 "--max-restarts=0"]  # fmt: skip
 
     def start(self, nodes, command, env):
-        """A launch; its stderr is a pipe the job reads (run/job_launch.py). It runs in a session of its own,
+        """A launch; its stderr is a pipe the job reads (run/job/launch.py). It runs in a session of its own,
         so that a signal to the job's process group (Ctrl-C, kill -- -PGID) reaches the job alone, which
-        passes it on once (run/job.py): torchrun, given it twice, passes the second on to its workers, who
+        passes it on once (run/job/job.py): torchrun, given it twice, passes the second on to its workers, who
         take a second signal for one that exits at once, writing nothing."""
         return subprocess.Popen(command, env=env, stderr=subprocess.PIPE, start_new_session=True)
 
