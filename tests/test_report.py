@@ -236,6 +236,32 @@ def test_the_picture_says_what_it_cannot_draw_and_keeps_many_nodes_readable(tmp_
     assert titles[0] == "bf16 matmul, TFLOP/s" and imread(tmp_path / "many.png").shape == (960, 1280, 4)
 
 
+def test_a_report_whose_checks_lack_their_fields_is_drawn_with_one_warning(tmp_path, capsys):
+    """An older or hand-edited report: its checks as people read them (status, check, value, reference),
+    without their floors and flagged members, and one not a check at all. The picture raised KeyError:
+    'floor'; it draws the figures and the datasheet, and the floor of the one check that has its fields."""
+    report = cluster(n_nodes=2, gpus=2)
+    report["gpu"]["node1 (h1)/gpu0"]["matmul_bf16_TFLOPS"] = 300.0  # a straggler, under half the datasheet
+    kept = "gpu matmul_bf16_TFLOPS vs datasheet"
+    report["checks"] = [
+        c if c["check"] == kept else {key: c[key] for key in ("status", "check", "value", "reference")}
+        for c in verdicts.verdict_checks(report)
+    ] + ["fail: written by hand"]
+    report["verdict"], report["world"] = "fail", {"nodes": 2, "ranks_per_node": 2, "device": "cuda"}
+    drawn = tmp_path / "older.png"
+    titles = picture.draw(report, str(drawn))
+    assert titles[:2] == ["bf16 matmul, TFLOP/s", "HBM copy, GB/s"] and imread(drawn).shape == (960, 1280, 4)
+    unread = len(report["checks"]) - 1
+    assert capsys.readouterr().err == (
+        f"warning: {drawn}: {unread} of the report's checks lack the fields the picture reads (a floor, the "
+        "members flagged: an older or hand-edited report); drawn without their floors and flagged members\n"
+    )
+    matmul, copy = picture.gpu_bar_panels(report)
+    assert len(matmul["values"]) == 4 and matmul["peaks"] == [989.4] and matmul["floors"] == [494.7]
+    assert matmul["flagged"] == {"node1 (h1)/gpu0"}  # by the check that has its fields
+    assert copy["peaks"] == [3350.0] and copy["floors"] == [] and copy["flagged"] == set()
+
+
 @contextlib.contextmanager
 def at_most(seconds):
     """A limit on a test's wall time, past which it fails instead of running on."""
