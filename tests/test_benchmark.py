@@ -624,26 +624,49 @@ def test_bad_input_is_one_clear_line_and_exit_2(tmp_path, capsys, arguments, mes
     assert message.format(tmp=tmp_path) in stderr
 
 
-def test_train_args_that_train_py_refuses_are_one_line_and_exit_2_before_any_measurement(
-    tmp_path, capsys, monkeypatch
+AUTO_REFUSED = (
+    ": the benchmark times the step of one configuration, and auto is chosen as train.py launches; give the "
+    "value to time (python train.py --plan with these options picks one)"
+)
+
+
+@pytest.mark.parametrize("check_only", [False, True], ids=["measuring", "check_only"])
+@pytest.mark.parametrize(
+    "train_args, lines",
+    [
+        ("--sharding=hybrid", ["--sharding=hybrid over groups of one process shards nothing: use "]),
+        ("--bogus=1", ["unknown option --bogus; "]),
+        ("--lr=fast", ["--lr expects a finite number, got 'fast'"]),
+        ("--lr=0 --batch_size=0", ["--batch_size must be positive, got 0", "--lr must be positive, got 0.0"]),
+        ("--config={tmp}/missing.yaml", ["--config={tmp}/missing.yaml: "]),
+        ("--config={tmp}", ["--config: {tmp} is a folder, not a regular file; "]),
+        ("--run_name='x", ["No closing quotation in \"--model=tiny --run_name='x\"; write train.py's "]),
+        ("--plot={tmp} --dry_run", ["--plot, --dry_run: train.py does not train with them, and the "]),
+        ("--sharding=auto", ["--sharding=auto" + AUTO_REFUSED]),
+        ("--activation_checkpointing=auto --batch_size=auto",
+         ["--activation_checkpointing=auto, --batch_size=auto" + AUTO_REFUSED]),
+    ],
+)  # fmt: skip
+def test_bad_train_args_are_a_line_each_naming_them_and_exit_2_before_any_measurement(
+    tmp_path, capsys, monkeypatch, train_args, lines, check_only
 ):
+    """A quote left open was a traceback; --check_only passed train_args unread; an auto option, or one that
+    makes train.py do something other than train, was timed as another configuration's step."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
-    arguments = [
-        "--quick",
-        "--only=cpu",
-        f"--report_dir={tmp_path}",
-        "--train_args=--model=tiny --sharding=hybrid",
-    ]
+    monkeypatch.chdir(tmp_path)  # where train.py's own folders are checked
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    arguments = ["--quick", "--only=cpu", f"--report_dir={reports}", *(["--check_only"] * check_only),
+                 f"--train_args=--model=tiny {train_args.format(tmp=tmp_path)}"]  # fmt: skip
     with pytest.raises(SystemExit) as exit_status:
         benchmark.main(arguments)
     assert exit_status.value.code == 2
-    stderr = capsys.readouterr().err
-    assert stderr.count("\n") == 1, stderr
-    assert stderr.startswith(
-        "error: --train_args: --sharding=hybrid over groups of one process shards nothing"
-    )
-    assert not list(tmp_path.iterdir())
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == len(lines), said
+    for line, start in zip(said, lines):
+        assert line.startswith(f"error: --train_args: {start.format(tmp=tmp_path)}"), said
+    assert not list(reports.iterdir())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a GPU")
