@@ -5,8 +5,9 @@ datasheet (common/datasheet.py), in the shapes people know:
 - per collective, busbw against message size (nccl-tests' busbw), a line per scope, with the floor;
 - per node, storage, CPU and host memory, what a check flagged (a straggler, a node under the storage
   floor) in another colour;
-- the verdict in the title. What a report skipped (no GPU, one node) is said in its panel; checks without the
-  fields the picture reads (an older or hand-edited report) leave their floors and flags out, with a warning."""
+- the verdict in the title. What a report skipped (no GPU, one node) is said in its panel; checks without
+  the fields the picture reads (an older or hand-edited report) leave their floors and flags out, with a
+  warning."""
 
 import math
 import os
