@@ -50,6 +50,8 @@ from checks.verdicts import MIN_STORAGE_GBPS
 from checks.world import MODES, SECTIONS, World, start_world
 from common.errors import ConfigError, report_config_error
 from common.node import node_name
+from run.data.hub import use_cache_if_hub_unreachable
+from run.data.source import parse_source
 from run.options import parse, run_options
 from run.prediction.probe import benchmark_section
 
@@ -187,6 +189,7 @@ def train_run(train_args):
             raise ConfigError(why) from None
         args = parse(argv)
         refuse_untimed(args)
+        use_cache_if_hub_unreachable(args, parse_source(args)[0])  # before any Hugging Face library loads
         return run_options(argv)
     except ConfigError as error:
         lines = "\n".join(f"--train_args: {line}" for line in str(error).splitlines())

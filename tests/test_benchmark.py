@@ -7,6 +7,7 @@ import json
 import mmap
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -667,6 +668,52 @@ def test_bad_train_args_are_a_line_each_naming_them_and_exit_2_before_any_measur
     for line, start in zip(said, lines):
         assert line.startswith(f"error: --train_args: {start.format(tmp=tmp_path)}"), said
     assert not list(reports.iterdir())
+
+
+def without_a_hub(tmp_path, port):
+    """The environment of a machine whose Hugging Face hub is at a local port, with an empty cache."""
+    env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
+    hub = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+    return {**env, **hub, "NO_PROXY": "*", "no_proxy": "*"}
+
+
+def test_a_hub_name_in_train_args_without_a_hub_is_one_line_at_once_and_a_stop_ends_it(tmp_path):
+    """huggingface_hub retried an unreachable hub for 49 s, and once held on through a SIGTERM for 120 s. The
+    hub is asked once, before any Hugging Face library loads: unreachable, what the run needs from it comes
+    from the cache, or its line says it is missing."""
+    benchmark_command = [sys.executable, str(ROOT / "benchmark.py"), "--quick", "--only=cpu",
+                         f"--report_dir={tmp_path / 'reports'}"]  # fmt: skip
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        refusing = closed.getsockname()[1]  # nothing listens there once it is closed: refused at once
+    refused = subprocess.run(
+        [*benchmark_command, "--train_args=--model=tiny --data=hf:some/name --max_steps=5"],
+        cwd=tmp_path, env=without_a_hub(tmp_path, refusing), capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"http://127.0.0.1:{refusing} is unreachable (" in refused.stdout, refused.stdout
+    [line] = refused.stderr.splitlines()
+    assert line.startswith("error: --train_args: cannot load tokenizer 'gpt2' (") and "Retry" not in line
+    with socket.socket() as silent:  # a hub that takes the connection and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        silent.settimeout(120)
+        hub = silent.getsockname()[1]
+        process = subprocess.Popen(
+            [*benchmark_command, "--train_args=--model=tiny --init_from=org/model"], cwd=tmp_path, text=True,
+            env=without_a_hub(tmp_path, hub), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            asking, _ = silent.accept()  # it waits for the hub's answer now
+            process.send_signal(signal.SIGTERM)
+            _, stderr = process.communicate(timeout=60)
+            asking.close()
+        finally:
+            process.kill()
+    # ended by the signal itself: a handler runs only once Python has control again, which a blocked name
+    # lookup or a library's threads can hold off (it went unanswered for 120 s)
+    assert process.returncode == -signal.SIGTERM, stderr[-2000:]
+    assert not (tmp_path / "reports").exists() or not list((tmp_path / "reports").iterdir())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the case of a machine without a GPU")
