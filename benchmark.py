@@ -50,7 +50,9 @@ from checks.verdicts import MIN_STORAGE_GBPS
 from checks.world import MODES, SECTIONS, World, start_world
 from common.errors import ConfigError, report_config_error
 from common.node import node_name
-from run.options import run_options
+from run.data.hub import use_cache_if_hub_unreachable
+from run.data.source import parse_source
+from run.options import parse, run_options
 from run.prediction.probe import benchmark_section
 
 
@@ -176,25 +178,60 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
 
 
 def train_run(train_args):
-    """(options, model config, the values of the options that name the run) of train.py with these arguments.
-    Options train.py refuses are refused here, before anything is measured: every rank checks them, one says
-    why."""
+    """(options, model config, the values of the options that name the run) of train.py with these arguments,
+    or None where the run leaves an option to auto (it is chosen as it launches: nothing to time here).
+    Options train.py refuses are refused here, before anything is measured (--check_only too): every rank
+    checks them, one says why, a line per problem."""
     try:
-        return run_options(shlex.split(train_args))
+        try:
+            argv = shlex.split(train_args)
+        except ValueError as error:
+            why = f"{error} in {train_args!r}; write train.py's options as on its command line"
+            raise ConfigError(why) from None
+        args = parse(argv)
+        refuse_untimed(args)
+        use_cache_if_hub_unreachable(args, parse_source(args)[0])  # before any Hugging Face library loads
+        options = run_options(argv)
     except ConfigError as error:
-        report_config_error(ConfigError(f"--train_args: {error}", error.per_node))
+        lines = "\n".join(f"--train_args: {line}" for line in str(error).splitlines())
+        report_config_error(ConfigError(lines, error.per_node))
+    if auto := [f"--{name}=auto" for name in CHOSEN_AS_IT_LAUNCHES if getattr(args, name) == "auto"]:
+        if os.environ.get("RANK", "0") == "0":
+            print(
+                f"note: --train_args: {', '.join(auto)} is chosen as train.py launches, so this model's "
+                "step is not timed here (python train.py --plan with these options ranks the choices)"
+            )
+        return None
+    return options
+
+
+# train.py's options that make it do something other than train, and those it may leave to its launch
+# (run/prediction/plan.py's SETS, not imported: the plan's simulation would cost every start 2 s of imports)
+OTHER_THAN_TRAINING = ("plot", "export_from", "check_only", "prepare_only", "dry_run", "plan")
+CHOSEN_AS_IT_LAUNCHES = ("sharding", "activation_checkpointing", "batch_size")
+
+
+def refuse_untimed(args):
+    """The step timed is one training run's, of one configuration."""
+    if others := [f"--{name}" for name in OTHER_THAN_TRAINING if getattr(args, name)]:
+        them = "it" if len(others) == 1 else "them"
+        raise ConfigError(
+            f"{', '.join(others)}: train.py does not train with {them}, and the benchmark times a training "
+            "run's step; give the options of the run to come"
+        )
 
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
+    run = train_run(cfg["train_args"]) if cfg["train_args"] else None
     if cfg["check_only"]:
         return 0
     if cfg["history"]:
         print(history.trend_table(history.read_history(history.history_path(cfg))))
         return 0
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # scancel: still remove the test files
+    # scancel: still remove the test files. Not before: nothing is written until here, and a stop ends it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = time.perf_counter()
-    run = train_run(cfg["train_args"]) if cfg["train_args"] else None
     world = start_world()
     try:
         job_id = [os.environ.get("SLURM_JOB_ID") or datetime.now(UTC).strftime("%Y%m%d-%H%M%S")]

@@ -5,10 +5,13 @@ datasheet (common/datasheet.py), in the shapes people know:
 - per collective, busbw against message size (nccl-tests' busbw), a line per scope, with the floor;
 - per node, storage, CPU and host memory, what a check flagged (a straggler, a node under the storage
   floor) in another colour;
-- the verdict in the title. What a report skipped (no GPU, one node) is said in its panel."""
+- the verdict in the title. What a report skipped (no GPU, one node) is said in its panel; checks without
+  the fields the picture reads (an older or hand-edited report) leave their floors and flags out, with a
+  warning."""
 
 import math
 import os
+import sys
 
 from checks.terminal import printable
 from checks.verdicts import DATASHEET_CHECKS
@@ -30,13 +33,32 @@ MAX_BARS, MAX_LINES = 24, 8
 LOG_SPREAD = 30  # a bar this many times below the tallest bar or line would vanish: a log scale
 
 
+def readable_checks(report):
+    """(the report's checks that carry the fields the picture reads, as check() writes them: a name, a floor
+    that is a number or None, the members flagged; how many others it has). An older or hand-edited report's
+    checks may lack them: the picture is drawn without their floors and flagged members."""
+    checks = report.get("checks") or []
+    if not isinstance(checks, list):
+        return [], 1
+    readable = [
+        c
+        for c in checks
+        if isinstance(c, dict)
+        and isinstance(c.get("check"), str)
+        and "floor" in c
+        and type(c["floor"]) in (int, float, type(None))
+        and isinstance(c.get("flagged"), dict)
+    ]
+    return readable, len(checks) - len(readable)
+
+
 def check_named(report, name):
-    return next((c for c in report.get("checks") or [] if c["check"] == name), None)
+    return next((c for c in readable_checks(report)[0] if c["check"] == name), None)
 
 
 def flagged(report, *names):
     """The members that the named checks flagged."""
-    return {member for c in report.get("checks") or [] if c["check"] in names for member in c["flagged"]}
+    return {member for c in readable_checks(report)[0] if c["check"] in names for member in c["flagged"]}
 
 
 def floor_of(report, name):
@@ -81,7 +103,8 @@ def bar_panel(title, numbers, flagged_members, floors=(), peaks=(), why="not mea
 def gpu_bar_panels(report):
     """Per GPU: sustained bf16 matmul and HBM copy, with the datasheet's peak (common/datasheet.py) and the
     floor the datasheet check applies to it."""
-    gpus = {name: g for name, g in report["gpu"].items() if isinstance(g, dict) and "name" in g}
+    section = report.get("gpu") or {}
+    gpus = {name: g for name, g in section.items() if isinstance(g, dict) and "name" in g}
     panels = []
     for key, title in GPU_FIGURES:
         values = {name: g[key] for name, g in gpus.items() if isinstance(g.get(key), (int, float))}
@@ -91,7 +114,7 @@ def gpu_bar_panels(report):
         floors = [peak * percent / 100 for peak in peaks] if percent else []
         members = flagged(report, f"gpu {key}", f"gpu {key} vs datasheet")
         panels.append(
-            bar_panel(title, values, members, floors, peaks, report["gpu"].get("skipped", "not measured"))
+            bar_panel(title, values, members, floors, peaks, section.get("skipped", "not measured"))
         )
     return panels
 
@@ -230,6 +253,10 @@ def draw(report, path):
     matplotlib.use("Agg")  # no display on a compute node
     import matplotlib.pyplot as plt
 
+    if unreadable := readable_checks(report)[1]:
+        print(f"warning: {path}: {unreadable} of the report's checks lack the fields the picture reads (a "
+              "floor, the members flagged: an older or hand-edited report); drawn without their floors and "
+              "flagged members", file=sys.stderr, flush=True)  # fmt: skip
     figure = plt.figure(figsize=(16, 12), layout="constrained")
     rows = figure.subfigures(3, 1, height_ratios=[1, 1, 1])
     gpu_axes = rows[0].subplots(1, len(GPU_FIGURES))

@@ -301,8 +301,25 @@ def test_recoveries_and_parts_that_do_not_add_up_are_left_out_of_the_account(tmp
         f"warning: {tmp_path / goodput.LEDGER}: 2 of its recoveries are damaged (its cost_s is nan, not a "
         "finite number 0 or more); they are left out of the run's account"
     ]
-    (tmp_path / "parts").mkdir()
-    earlier_ledger(tmp_path / "parts", lambda figures: figures.update(eval_s=3000.0, checkpoint_s=3000.0))
-    ledger = goodput.Ledger(str(tmp_path / "parts"), time.time() - 10)
-    assert ledger.totals["launches"] == 1
-    assert "is damaged (its parts add up to " in capsys.readouterr().err
+    # each part within the run's 100 s, together 120 s past it: only parts an hour past the run were damage
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    earlier_ledger(parts, lambda figures: figures.update(eval_s=60.0, checkpoint_s=60.0))
+    ledger = goodput.Ledger(str(parts), time.time() - 10)
+    assert ledger.totals["launches"] == 1 and list(parts.glob("goodput.damaged_*.json"))
+    [warning] = capsys.readouterr().err.splitlines()
+    damaged = re.escape(str(parts / goodput.LEDGER))
+    assert re.fullmatch(
+        rf"warning: {damaged} is damaged \(its parts add up to 2\d\d s, more than the run's 10\d s\); set "
+        r"aside as .*goodput\.damaged_\w+\.json, and the run's time is counted from this launch",
+        warning,
+    ), warning
+
+
+def test_parts_past_the_run_within_what_clocks_may_disagree_are_carried_on(tmp_path, capsys):
+    """Launches on other nodes read other clocks: a ledger whose parts are 2 s past its 100 s is kept."""
+    earlier_ledger(tmp_path, lambda figures: figures.update(eval_s=1.0, checkpoint_s=1.0))
+    capsys.readouterr()
+    ledger = goodput.Ledger(str(tmp_path), time.time() - 10)
+    assert ledger.totals["launches"] == 2 and ledger.totals["eval_s"] == 1.0
+    assert capsys.readouterr().err == "" and not list(tmp_path.glob("goodput.damaged_*.json"))

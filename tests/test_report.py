@@ -1,14 +1,16 @@
 """The cluster report people look at: its picture beside the YAML, and each node against its own history, on
 real CPU reports (and, for the GPU panels, a report of healthy H100 nodes as the verdict tests build it)."""
 
+import contextlib
 import json
 import re
+import signal
 
 import pytest
 import yaml
 from conftest import launch
 from matplotlib.image import imread
-from test_benchmark import cluster, statuses
+from test_benchmark import H100, cluster, statuses
 
 import benchmark as benchmark_script
 from checks import history, picture, verdicts
@@ -232,3 +234,75 @@ def test_the_picture_says_what_it_cannot_draw_and_keeps_many_nodes_readable(tmp_
     assert len(gathered["lines"]) == picture.MAX_LINES
     titles = picture.draw(report, str(tmp_path / "many.png"))
     assert titles[0] == "bf16 matmul, TFLOP/s" and imread(tmp_path / "many.png").shape == (960, 1280, 4)
+
+
+def test_a_report_whose_checks_lack_their_fields_is_drawn_with_one_warning(tmp_path, capsys):
+    """An older or hand-edited report: its checks as people read them (status, check, value, reference),
+    without their floors and flagged members, and one not a check at all. The picture raised KeyError:
+    'floor'; it draws the figures and the datasheet, and the floor of the one check that has its fields."""
+    report = cluster(n_nodes=2, gpus=2)
+    report["gpu"]["node1 (h1)/gpu0"]["matmul_bf16_TFLOPS"] = 300.0  # a straggler, under half the datasheet
+    kept = "gpu matmul_bf16_TFLOPS vs datasheet"
+    report["checks"] = [
+        c if c["check"] == kept else {key: c[key] for key in ("status", "check", "value", "reference")}
+        for c in verdicts.verdict_checks(report)
+    ] + ["fail: written by hand"]
+    report["verdict"], report["world"] = "fail", {"nodes": 2, "ranks_per_node": 2, "device": "cuda"}
+    drawn = tmp_path / "older.png"
+    titles = picture.draw(report, str(drawn))
+    assert titles[:2] == ["bf16 matmul, TFLOP/s", "HBM copy, GB/s"] and imread(drawn).shape == (960, 1280, 4)
+    unread = len(report["checks"]) - 1
+    assert capsys.readouterr().err == (
+        f"warning: {drawn}: {unread} of the report's checks lack the fields the picture reads (a floor, the "
+        "members flagged: an older or hand-edited report); drawn without their floors and flagged members\n"
+    )
+    matmul, copy = picture.gpu_bar_panels(report)
+    assert len(matmul["values"]) == 4 and matmul["peaks"] == [989.4] and matmul["floors"] == [494.7]
+    assert matmul["flagged"] == {"node1 (h1)/gpu0"}  # by the check that has its fields
+    assert copy["peaks"] == [3350.0] and copy["floors"] == [] and copy["flagged"] == set()
+
+
+@contextlib.contextmanager
+def at_most(seconds):
+    """A limit on a test's wall time, past which it fails instead of running on."""
+
+    def expired(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_report_of_many_nodes_is_judged_named_and_summarised_in_time_linear_in_its_nodes():
+    """Each check's nodes were found by trying every node's label against every GPU: GPUs x nodes steps,
+    minutes for 100,000 nodes. Here 30,000 nodes of one GPU, judged and their history checked: 1.8e9 steps the
+    old way, which cannot end within the limit on any machine; looked up, seconds on a busy one. The slow GPU
+    is still named, and its node."""
+    nodes = 30_000
+    labels = [f"node{n} (h{n})" for n in range(nodes)]
+    report = {
+        "job": {"mode": "default"},
+        "gpu": {f"{label}/gpu0": dict(H100) for label in labels},
+        "nccl": {"skipped": "not selected"},
+        "links": {"skipped": "not selected"},
+        "storage": {label: {"parallel_write_GB/s": 3.0} for label in labels},
+        "cpu": {label: {"all_core_ops/s": 68.0} for label in labels},
+        "memory": {label: {"copy_all_cores_GB/s": 18.0} for label in labels},
+        "nodes": {label: {"node_name": f"h{n}", "hostname": f"h{n}"} for n, label in enumerate(labels)},
+    }
+    report["gpu"]["node27182 (h27182)/gpu0"]["matmul_bf16_TFLOPS"] = 300.0
+    with at_most(60):
+        report["checks"] = verdicts.verdict_checks(report)
+        report["verdict"] = verdicts.verdict(report["checks"])
+        history.judge_against_history(report, [])
+        failed = verdicts.failed_nodes(report["checks"])
+        panels = picture.gpu_bar_panels(report) + picture.node_bar_panels(report)
+    assert report["verdict"] == "fail" and list(failed) == ["h27182"], failed
+    assert panels[0]["flagged"] == {"node27182 (h27182)/gpu0"}
+    hidden = f"{nodes - picture.MAX_BARS} of {nodes} hidden (the flagged and the lowest drawn)"
+    assert panels[0]["note"] == hidden

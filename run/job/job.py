@@ -182,8 +182,10 @@ class Job:
             args.append(f"--train_args={shlex.join(self.train_args)}")
         command = [self.python, "benchmark.py", "--check_only", *args]  # on one node: a typo costs seconds
         checked = self.benchmarks_run > 1  # the same options, checked before this start's first benchmark
-        if not checked:
-            refused = self.scheduler.check(self.nodes[0], command, self.environ, self.knobs.CONTAINER_IMAGE)
+        if not checked:  # --train_args checked for the world these nodes make (hybrid's groups need it)
+            world = {"WORLD_SIZE": str(self.nproc * len(nodes)), "LOCAL_WORLD_SIZE": str(self.nproc)}
+            env = {**self.environ, **world}
+            refused = self.scheduler.check(self.nodes[0], command, env, self.knobs.CONTAINER_IMAGE)
             self.handle_signals()
             if refused:
                 raise JobError("not started: benchmark.py refused its options (above)", 2)

@@ -84,8 +84,11 @@ def not_seconds(value):
 
 
 COUNTS = ("lost_steps", "launches")
-# Launches on other nodes read other clocks: a part this much longer than the run so far is damage.
+# A job's times read on another node's clock (recovery.json): one this far ahead of this node's is damage.
 CLOCK_SLACK_S = 3600
+# The wall runs between the marks of launches that may have read other nodes' clocks, which NTP keeps within
+# milliseconds of each other: parts adding up past it by more than this are damage, however long the run.
+PARTS_SLACK_S, PARTS_SLACK_SHARE = 5.0, 0.01
 
 
 def ledger_problem(totals, marks):
@@ -99,9 +102,10 @@ def ledger_problem(totals, marks):
         if name not in COUNTS and (why := not_seconds(value)):
             return f"{name} is {why}"
     wall = marks["updated"] - marks["first_start"]
-    if longer := next((part for part in PARTS if totals[part] > wall + CLOCK_SLACK_S), None):
+    most = wall + PARTS_SLACK_S + PARTS_SLACK_SHARE * max(wall, 0)
+    if longer := next((part for part in PARTS if totals[part] > most), None):
         return f"{longer} is {totals[longer]:.4g} s, longer than the run's {max(wall, 0):.4g} s"
-    if (counted := sum(totals[part] for part in PARTS)) > wall + CLOCK_SLACK_S:
+    if (counted := sum(totals[part] for part in PARTS)) > most:
         return f"its parts add up to {counted:.4g} s, more than the run's {max(wall, 0):.4g} s"
     if type(marks["step"]) is not int or marks["step"] < 0:
         return f"marks.step is {json.dumps(marks['step'])[:40]}, not a step number"
