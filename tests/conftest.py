@@ -100,6 +100,20 @@ def validated(args):
     return options.complete_and_check(args)
 
 
+def bare_model(model_config, args):
+    """The model run/model/build.py builds for --sharding=ddp (its blocks checkpointed and compiled as args
+    say), without the DDP wrapper it takes on a process group of one: its hooks stay idle."""
+    import torch.distributed as dist
+
+    from run.model import build
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        return build.build_model(model_config, args, torch.device("cpu"), mesh=None).module
+    finally:
+        dist.destroy_process_group()
+
+
 def torchrun_command(script, args, nproc, torchrun_args=()):
     """script under torchrun with nproc CPU processes, or as a plain process when nproc is 0. --standalone
     binds the rendezvous store to a port the kernel picks: a port found free beforehand can be taken by

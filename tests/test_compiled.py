@@ -9,6 +9,7 @@ from conftest import (
     TINY,
     assert_ran,
     assert_same_model,
+    bare_model,
     launch,
     parse_options,
     read_metrics,
@@ -216,7 +217,7 @@ def test_hardware_flops_count_the_recomputation(mode, preset):
     shape = validated(cfg)
     config = presets.build_model_config(shape)
     config._attn_implementation = "eager"
-    model = build.build_model(config, cfg, torch.device("cpu"), mesh=None)
+    model = bare_model(config, cfg)
     build.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
     tokens = torch.randint(0, config.vocab_size, (2, 128))
     with FlopCounterMode(display=False) as counter:

@@ -9,6 +9,7 @@ from conftest import (
     REPO,
     SIMULATES,
     assert_ran,
+    bare_model,
     parse_options,
     read_metrics,
     run_training,
@@ -286,7 +287,6 @@ def test_example_configs_pass_the_checks(name, monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("mode, wrapped", [("none", []), ("full", [0, 1, 2, 3]), ("selective", [1, 3])])
 def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped):
-    import torch.distributed as dist
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     cfg = parse_options(
@@ -300,12 +300,7 @@ def test_activation_checkpointing_wraps_the_chosen_decoder_layers(mode, wrapped)
         ]
     )
     shape = validated(cfg)
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        model = build.build_model(presets.build_model_config(shape), cfg, torch.device("cpu"), mesh=None)
-    finally:
-        dist.destroy_process_group()
-    layers = model.model.layers
+    layers = bare_model(presets.build_model_config(shape), cfg).model.layers
     assert [i for i, layer in enumerate(layers) if isinstance(layer, CheckpointWrapper)] == wrapped
 
 
@@ -326,7 +321,7 @@ def test_op_level_checkpointing_gives_the_plain_loss_and_gradients(preset):
         )
         shape = validated(cfg)
         config = presets.build_model_config(shape)
-        model = build.build_model(config, cfg, torch.device("cpu"), mesh=None)
+        model = bare_model(config, cfg)
         build.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
         loss = step.model_loss(model, tokens, targets)
         loss.backward()
