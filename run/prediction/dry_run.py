@@ -64,13 +64,7 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
     if total <= gpu_gb:
         print(f"verdict: fits, {gpu_gb - total:.1f} GB to spare")
         prediction = dry_run_predictor(args, world_size)(args, model_config, work, names_the_run)
-        if prediction is None:
-            print(f"not predicted: the step, for want of figures of --gpu={args.gpu} (a GPU of the "
-                  f"datasheet, or --benchmark_report, gives them)")  # fmt: skip
-        elif refused := refusal(prediction):
-            print(refused)
-        else:
-            print_prediction(args, prediction, world_size, model_flops, datasheet(args.gpu))
+        print_step(args, prediction, world_size, model_flops)
         return 0
     for change in changes_that_might_fit(args):
         candidate = types.SimpleNamespace(**{**vars(args), **change})
@@ -106,6 +100,17 @@ def dry_run_predictor(args, world_size):
         return roofline.predicted(work, figures, accumulation) if figures else None
 
     return predictor
+
+
+def print_step(args, prediction, world_size, model_flops):
+    """The dry run's predicted step, or why there is none."""
+    if prediction is None:
+        print(f"not predicted: the step, for want of figures of --gpu={args.gpu} (a GPU of the datasheet, or "
+              f"--benchmark_report, gives them)")  # fmt: skip
+    elif refused := refusal(prediction):
+        print(refused)
+    else:
+        print_prediction(args, prediction, world_size, model_flops, datasheet(args.gpu))
 
 
 def print_prediction(args, prediction, world_size, model_flops, peak, where=""):
