@@ -444,10 +444,10 @@ def test_the_benchmark_probes_a_configuration_on_its_ranks_and_the_dry_run_predi
     assert model["measured"]["step_s"] > 0 and model["measured"]["accumulation"] == 1
     code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=2", *train_args,
                          f"--benchmark_report={report}")  # fmt: skip
-    assert (
-        code == 0
-        and f"(from benchmark report {report}'s timings of this configuration on its 2 ranks)" in out
-    )
+    # On a busy machine (CI's) the probe's steps may lie more than half apart: the dry run then says so.
+    varied = "not predicted: the benchmark report's timings varied by" in out
+    source = f"(from benchmark report {report}'s timings of this configuration on its 2 ranks)"
+    assert code == 0 and (varied or source in out), out
 
 
 def test_a_run_that_probes_its_step_trains_exactly_as_one_that_does_not(tmp_path, train):
