@@ -53,7 +53,7 @@ def candidate_options(row):
 
 
 def parse_plan(stdout):
-    """The rows of run/plan.py's print_plan, fastest predicted first: the candidate, its predicted step and
+    """The rows of run/prediction/plan.py's print_plan, fastest predicted first: the candidate, its predicted step and
     peak; (None, why) where the output is not a plan whose row count matches its headline."""
     headline = re.search(r"^plan: (\d+) of (\d+) candidates fit", stdout, re.M)
     if not headline:
