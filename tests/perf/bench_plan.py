@@ -53,8 +53,8 @@ def candidate_options(row):
 
 
 def parse_plan(stdout):
-    """The rows of run/prediction/plan.py's print_plan, fastest predicted first: the candidate, its predicted step and
-    peak; (None, why) where the output is not a plan whose row count matches its headline."""
+    """The rows of run/prediction/plan.py's print_plan, fastest predicted first: the candidate, its predicted
+    step and peak; (None, why) where the output is not a plan whose row count matches its headline."""
     headline = re.search(r"^plan: (\d+) of (\d+) candidates fit", stdout, re.M)
     if not headline:
         return None, "no plan headline"
