@@ -34,6 +34,7 @@ import torch
 from common.errors import ConfigError, report_config_error
 from common.files import write_atomically
 from common.options import print_help
+from common.quiet import quiet_torchao
 from run import launch, options, stops
 from run.checkpoint import export
 from run.checkpoint.checkpointer import Checkpointer
@@ -91,6 +92,7 @@ activation_checkpointing: str = "op"  # none | full | op (saves chosen op output
 ac_every: int = 2                   # selective checkpoints layers ac_every, 2·ac_every, ...
 compile: bool = True                # torch.compile each transformer block
 mixed_precision: str = "auto"       # bf16 (compute; fp32 weights and reduction) | fp32 | auto: bf16 on GPU
+float8: bool = False                # the decoder layers' matmuls in float8 (torchao; H100, H200 and newer)
 ckpt_format: str = "sharded"        # sharded (DCP, every rank writes its shard) | full (one file from rank 0)
 
 # How the run is operated. These leave what it computes alone: a larger --max_steps goes on with the same run.
@@ -147,6 +149,7 @@ def main(argv):
     """The plan of a run. Bad input is a ConfigError wherever it is found: one line, exit status 2."""
     if {"-h", "--help"} & set(argv):
         return print_help(sys.modules[__name__])
+    quiet_torchao()  # imported with every model class: see common/quiet.py
     try:
         args = options.parse(argv)
         use_cache_if_hub_unreachable(args, parse_source(args)[0])  # before any Hugging Face library loads

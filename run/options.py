@@ -29,6 +29,7 @@ from common.options import option_nodes, parse_args
 from run.checkpoint.set_aside import REWINDS
 from run.data.source import load_tokenizer, parse_source
 from run.model.build import never_packed_sequences
+from run.model.float8 import check_float8_available, import_torchao
 from run.model.presets import build_meta_model, build_model_config, resolve_shape
 from run.progress.profiler import profiled_steps
 from run.report_figures import BadReport, measured_elsewhere, read_report
@@ -175,6 +176,8 @@ def validate(args, shape, data_kind):
         check_simulating_torch()
     else:
         check_trackers(args)
+    if args.float8:  # a dry run simulates a GPU: it needs torchao, not one at hand
+        (import_torchao if args.dry_run else check_float8_available)()
     folders = [] if args.dry_run or args.prepare_only else ["checkpoint_dir", "log_dir"]
     if args.data != "dummy" and not args.dry_run:
         folders.append("data_cache")

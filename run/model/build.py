@@ -12,6 +12,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from common.errors import fail
 from run.checkpoint import safe_load
+from run.model.float8 import convert_to_float8
 from run.model.presets import build_meta_model, decoder_layers
 
 
@@ -101,13 +102,14 @@ def never_packed_sequences():
 
 # Op-level selective checkpointing (torchtitan's "op" mode) keeps these outputs of every block and recomputes
 # the rest: attention (the costliest to recompute per byte), every other matmul, and FSDP's reduce-scatter.
-# GPT-2's Conv1D layers are addmm, Llama's linear layers mm.
+# GPT-2's Conv1D layers are addmm, Llama's linear layers mm (float8's too, as the policy sees them); float8's
+# amax (max) is kept as torchtitan keeps it, rather than read over its input again.
 MATMULS = {"aten.mm.default", "aten.addmm.default"}
 SAVED_OPS = MATMULS | {
     "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_cudnn_attention.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "_c10d_functional.reduce_scatter_tensor.default",
+    "_c10d_functional.reduce_scatter_tensor.default", "aten.max.default",
 }  # fmt: skip
 
 
@@ -145,6 +147,8 @@ def build_model(model_config, args, device, mesh, backend="inductor"):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model = build_meta_model(model_config)
+    if args.float8:
+        convert_to_float8(model, fsdp=args.sharding != "ddp")
     blocks = decoder_layers(model)
     for index, block in enumerate(blocks):
         if (checkpoint_options := checkpointed(index, args)) is not None:

@@ -7,6 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from run.model.float8 import scales_after_each_step
 from run.model.loss import linear_cross_entropy
 
 LOSS_CHUNK_BYTES = 256e6  # the loss computes the fp32 logits of this many bytes at a time
@@ -44,13 +45,18 @@ def model_loss(model, inputs, targets, chunk_tokens=None):
 def build_optimizer(model, args, fused):
     """AdamW; biases, norms and embeddings get no weight decay. Fused on GPUs; elsewhere foreach kernels,
     which take FSDP's DTensors a list at a time rather than one by one (half the optimizer's time at tiny
-    sizes on CPU)."""
+    sizes on CPU). With float8 all-gathers, each step ends with the weights' float8 scales."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     decay, no_decay = [], []
     for param in model.parameters():
         (decay if param.ndim >= 2 and id(param) not in embeddings else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=not fused)
+    optimizer = torch.optim.AdamW(
+        groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=not fused
+    )
+    if args.float8 and args.sharding != "ddp":
+        scales_after_each_step(model, optimizer)
+    return optimizer
 
 
 def lr_factor(step, args, total_steps):

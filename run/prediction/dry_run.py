@@ -19,6 +19,10 @@ from run.progress.progress import describe_model
 from run.report_figures import newest_report, read_report
 
 NOT_PREDICTED = "data loading; the first step's compilation"
+FLOAT8 = (
+    "float8: its tensors simulated as torchao makes them (weights gathered in float8); a roofline prices its "
+    "matmuls at the bf16 rate, as slow as bf16's (a benchmark report's or the run's own timings measure it)"
+)
 
 
 def report_dry_run(args, shape, model_config, meta_model, names_the_run):
@@ -54,8 +58,9 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
           f"({time.perf_counter() - started:.0f} s)")  # fmt: skip
     for name, gb in memory.items():
         print(f"  {name:<22} {gb:9.3f} GB")
-    for estimated, note in ((args.sharding == "ddp", DDP_ESTIMATE), (args.cpu_offload, OFFLOAD_ESTIMATE)):
-        if estimated:
+    notes = {DDP_ESTIMATE: args.sharding == "ddp", OFFLOAD_ESTIMATE: args.cpu_offload, FLOAT8: args.float8}
+    for note, applies in notes.items():
+        if applies:
             print(f"  {note}")
     print(f"not simulated: {BLIND_SPOTS}")
     total = sum(memory.values())

@@ -4,17 +4,24 @@
 #   bash tests/perf/on_gpu.sh OUTDIR              # a bare GPU machine: its own python3, no network
 #   bash tests/perf/on_gpu.sh OUTDIR --cpu-smoke  # the same steps on CPU at tiny size: the plumbing only
 #
-# 1. two runs of the 4b on dummy data, seq 2048, about 30 steps: the default `op` checkpointing and `full`
-#    (on an 80 GB GPU `op` runs with --cpu_offload and fewer steps: its state alone fills the GPU);
-#    tokens/s, MFU and max_memory_allocated beside the dry run's simulated peak;
-# 2. a two-step --profile_steps trace of the first run, summarised by tests/perf/trace_summary.py;
-# 3. benchmark.py's GPU section, and a plain loop of bf16 torch.mm at 8192^3 and 2048x2048x13312;
-# 4. gpt2-xl at seq 1024 on dummy data, the same figures as 1.
-# Each training run predicts its own step (copies of the model stepped on the GPU) and logs its steps against that.
+# In this order, each step skipped with one line once the script's time is spent:
+# 1. benchmark.py's GPU section (seconds: it tells whether the GPU is healthy before the long runs);
+# 2. the 4b on dummy data, seq 2048, about 25 steps, with the default `op` checkpointing (on an 80 GB GPU,
+#    `full`: `op` does not fit), then the same with --float8: tokens/s, MFU and max_memory_allocated beside
+#    the dry run's simulated peak, and a two-step profile of each (tests/perf/trace_summary.py);
+# 3. float8's loss against bf16's: gpt2 (124M) for 200 steps from the same seed on a corpus made of this
+#    repository's text (tests/perf/learnable_corpus.py), the two runs side by side on the GPU;
+# 4. the 4b with `full` (on an 80 GB GPU: `op` with --cpu_offload), and gpt2-xl at seq 1024 without
+#    checkpointing, the same figures as 2;
+# 5. a plain loop of bf16 torch.mm at 8192^3 and 2048x2048x13312.
+# Each training run predicts its own step (copies of the model stepped on the GPU) and logs its steps against
+# that. float8 needs torchao and a GPU of compute capability 8.9 or newer; --cpu-smoke runs it through
+# tests/float8_on_cpu.py, which allows it on the CPU.
 #
-# OUTDIR gets at most 8 small files: figures.txt (every figure, in order), log.txt (each step's output),
-# and the same figures as JSON: run_<name>.json, trace.json, matmul.json, benchmark.yaml. A step that fails or runs out of its
-# time says so in one line and the next one runs. Python: $PYTHON, else python3 (.venv's for --cpu-smoke).
+# OUTDIR gets figures.txt (every figure, in order), log.txt (each step's output), and the same figures as
+# JSON: run_<name>.json, trace_<name>.json, losses.json, matmul.json, benchmark.yaml. A step that fails or
+# runs out of its time says so in one line and the next one runs. Python: $PYTHON, else python3 (.venv's for
+# --cpu-smoke).
 set -uo pipefail
 
 OUT=${1:?usage: bash tests/perf/on_gpu.sh OUTDIR [--cpu-smoke]}
@@ -34,16 +41,20 @@ say() { echo "$*" | tee -a "$FIGURES"; }
 
 if ((SMOKE)); then
     PY=${PYTHON:-$REPO/.venv/bin/python}
+    SCRIPT=tests/float8_on_cpu.py  # train.py, with --float8 allowed on the CPU
     BATCH=2 MODEL=(--model=tiny --seq_length=64 --compile=False --mixed_precision=fp32)
     STEPS=8 OFFLOAD_STEPS=8 PROFILE=4,5 TRAIN_LIMIT=120
     MATMUL=(--shapes=256x256x256,128x128x512 --seconds=1)
     XL_BATCH=2 XL_MODEL=("${MODEL[@]}") XL_STEPS=8 XL_LIMIT=60
+    LOSS_BATCH=8 LOSS_MODEL=("${MODEL[@]}") LOSS_STEPS=30 LOSS_LIMIT=120
 else
     PY=${PYTHON:-python3}
+    SCRIPT=train.py
     BATCH=8 MODEL=(--model=4b --seq_length=2048)
-    STEPS=30 OFFLOAD_STEPS=12 PROFILE=20,21 TRAIN_LIMIT=160
+    STEPS=25 OFFLOAD_STEPS=12 PROFILE=15,16 TRAIN_LIMIT=170
     MATMUL=(--seconds=10)
     XL_BATCH=16 XL_MODEL=(--model=gpt2-xl --seq_length=1024) XL_STEPS=25 XL_LIMIT=120
+    LOSS_BATCH=16 LOSS_MODEL=(--model=gpt2 --seq_length=512) LOSS_STEPS=200 LOSS_LIMIT=150
 fi
 
 # What is importable decides what runs: one line for what is missing, never a traceback.
@@ -62,12 +73,20 @@ if ((!SMOKE && GPU_GB == 0)); then
     say "no GPU seen by $PY: run with --cpu-smoke for the plumbing only"
     exit 1
 fi
+FLOAT8=$("$PY" - <<'EOF' 2>/dev/null
+import importlib.util, torch
+if importlib.util.find_spec("torchao") is None:
+    print("torchao is not installed")
+elif torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+    print("this GPU has no float8 matmuls (compute capability below 8.9)")
+EOF
+)
 cd "$REPO" || exit 1
 
 # Figures of `python train.py --dry_run --world_size=1 --seq_length=2048` at batch 8 (gpt2-xl: seq 1024, batch
-# 16, no checkpointing), compiled as the runs are, run beforehand on CPU with torch 2.13, which the GPU image
+# 16, no checkpointing; _float8: with --float8), compiled as the runs are, run beforehand on CPU with torch 2.13, which the GPU image
 # lacks: the simulated peak to hold max_memory_allocated against.
-declare -A SIMULATED_GB=([op]=82.9 [full]=68.8 [op_offload]=34.7 [gpt2-xl]=60.8)
+declare -A SIMULATED_GB=([op]=82.9 [full]=68.8 [op_offload]=34.7 [gpt2-xl]=60.8 [op_float8]=83.1 [full_float8]=69.1)
 ((SMOKE)) && SIMULATED_GB=()
 
 # Trains until step $steps is logged, then kills the run: the 4b's final checkpoint (48 GB) would take
@@ -78,7 +97,7 @@ train_run() {
     local name=$1 steps=$2
     shift 2
     local metrics=$WORK/logs/$name/metrics.jsonl start=$SECONDS
-    setsid "$PY" train.py "${MODEL[@]}" \
+    setsid "$PY" "$SCRIPT" "${MODEL[@]}" \
         --data=dummy --batch_size=$BATCH --global_batch_size=$BATCH --max_steps=1000 --warmup_steps=10 \
         --log_every=1 --eval_every=0 --checkpoint_every=1000 --tensorboard=False --curves=False \
         --hang_minimum_s=600 --log_dir="$WORK/logs" --checkpoint_dir="$WORK/checkpoints" --run_name="$name" \
@@ -102,7 +121,7 @@ train_run() {
         --skip_steps="$PROFILE" --json="$OUT/run_$name.json" 2>>"$LOG" | tee -a "$FIGURES"
 }
 
-DEADLINE=570  # seconds for the whole script: the device tool ends a command at 600
+DEADLINE=${DEADLINE:-570}  # seconds for the whole script (a device tool may end a command at 600)
 
 # The smaller of $1 and the time left before DEADLINE, at least 0.
 within() {
@@ -127,35 +146,76 @@ step() {  # a title, a time limit in seconds, then the command
     return 0
 }
 
-# 3 first: seconds, and they tell whether the GPU is healthy before the long runs.
+# The profile of run $1, summarised in the background while the next run goes on; printed by summaries.
+summarise() {
+    local trace limit
+    trace=$(find "$WORK/logs/$1" -name 'trace_steps_*.pt.trace.json' 2>/dev/null | head -1)
+    limit=$(within 150)
+    if [[ -z $trace ]]; then
+        say "--- $1: no trace was written (see log.txt)"
+        return 0
+    fi
+    timeout -k 10 "$limit" "$PY" tests/perf/trace_summary.py "$trace" --json="$OUT/trace_$1.json" \
+        >"$WORK/summary_$1.txt" 2>>"$LOG" &
+}
+
+summaries() {
+    wait  # the summaries still running
+    local file
+    for file in "$WORK"/summary_*.txt; do
+        [[ -e $file ]] || continue
+        say "--- the profile of $(basename "$file" .txt | cut -d_ -f2-)"
+        tee -a "$FIGURES" <"$file"
+    done
+}
+
+# float8's loss against bf16's: the same model, seed and data, the two runs at once on the one GPU.
+loss_check() {
+    step "3. the corpus" 60 "$PY" tests/perf/learnable_corpus.py "$WORK/learn"
+    local data=(--data="$WORK/learn/corpus" --tokenizer="$WORK/learn/tokenizer" --max_steps=$LOSS_STEPS
+        --warmup_steps=20 --lr=6e-4 --min_lr=6e-5 --eval_every=$LOSS_STEPS --eval_batches=20 --predict=False)
+    (BATCH=$LOSS_BATCH MODEL=("${LOSS_MODEL[@]}") TRAIN_LIMIT=$LOSS_LIMIT
+        train_run loss_bf16 "$LOSS_STEPS" "${data[@]}" --data_cache="$WORK/cache_bf16") &
+    local bf16=$!
+    (BATCH=$LOSS_BATCH MODEL=("${LOSS_MODEL[@]}") TRAIN_LIMIT=$LOSS_LIMIT
+        train_run loss_float8 "$LOSS_STEPS" "${data[@]}" --data_cache="$WORK/cache_float8" --float8=True) &
+    wait "$bf16" $!
+    "$PY" tests/perf/compare_losses.py "$WORK/logs/loss_bf16/metrics.jsonl" \
+        "$WORK/logs/loss_float8/metrics.jsonl" --json="$OUT/losses.json" 2>>"$LOG" | tee -a "$FIGURES"
+}
+
 if ((GPU_GB > 0)); then
-    step "benchmark.py's GPU section" 90 "$PY" benchmark.py --only=gpu --report_dir="$WORK/report"
+    step "1. benchmark.py's GPU section" 90 "$PY" benchmark.py --only=gpu --report_dir="$WORK/report"
     cp "$WORK"/report/*.yaml "$OUT/benchmark.yaml" 2>/dev/null
 else
-    say "--- benchmark.py's GPU section: needs a GPU, skipped"
+    say "--- 1. benchmark.py's GPU section: needs a GPU, skipped"
 fi
-step "plain bf16 torch.mm loop" 40 "$PY" tests/perf/matmul_loop.py "${MATMUL[@]}" --json="$OUT/matmul.json"
 
-# 1 and 2: the run that fits without offloading carries the trace.
+# 2: the configuration that fits without offloading, in bf16 and in float8, each traced.
 if ((GPU_GB >= 120 || SMOKE)); then
-    say "--- 1. op (the default), traced at steps $PROFILE"
-    train_run op "$STEPS" --activation_checkpointing=op --profile_steps="$PROFILE"
-    say "--- 1. full"
-    train_run full "$STEPS" --activation_checkpointing=full
+    FIRST=op SECOND=(full "$STEPS" --activation_checkpointing=full)
 else
-    say "--- 1. full, traced at steps $PROFILE (op at batch 8 needs ${SIMULATED_GB[op]} GB)"
-    train_run full "$STEPS" --activation_checkpointing=full --profile_steps="$PROFILE"
-    say "--- 1. op (the default) with --cpu_offload"
-    train_run op_offload "$OFFLOAD_STEPS" --activation_checkpointing=op --cpu_offload=True
+    FIRST=full SECOND=(op_offload "$OFFLOAD_STEPS" --activation_checkpointing=op --cpu_offload=True)
 fi
-trace=$(find "$WORK/logs" -name 'trace_steps_*.pt.trace.json' | head -1)
-if [[ -n $trace ]]; then
-    step "2. trace of steps $PROFILE" 90 "$PY" tests/perf/trace_summary.py "$trace" --json="$OUT/trace.json"
+say "--- 2. $FIRST, traced at steps $PROFILE"
+train_run "$FIRST" "$STEPS" --activation_checkpointing=$FIRST --profile_steps="$PROFILE"
+summarise "$FIRST"
+if [[ -n $FLOAT8 ]]; then
+    say "--- 2. $FIRST with --float8: skipped, $FLOAT8"
 else
-    say "--- 2. no trace was written (see log.txt)"
+    say "--- 2. $FIRST with --float8, traced at steps $PROFILE"
+    train_run "${FIRST}_float8" "$STEPS" --activation_checkpointing=$FIRST --float8=True \
+        --profile_steps="$PROFILE"
+    summarise "${FIRST}_float8"
+    say "--- 3. float8's loss against bf16's"
+    loss_check
 fi
 
+say "--- 4. ${SECOND[0]}"
+train_run "${SECOND[@]}"
 say "--- 4. gpt2-xl"
-BATCH=$XL_BATCH MODEL=("${XL_MODEL[@]}") TRAIN_LIMIT=$XL_LIMIT
-train_run gpt2-xl "$XL_STEPS" --activation_checkpointing=none
+(BATCH=$XL_BATCH MODEL=("${XL_MODEL[@]}") TRAIN_LIMIT=$XL_LIMIT
+    train_run gpt2-xl "$XL_STEPS" --activation_checkpointing=none)
+step "5. plain bf16 torch.mm loop" 40 "$PY" tests/perf/matmul_loop.py "${MATMUL[@]}" --json="$OUT/matmul.json"
+summaries
 say "--- done in $SECONDS s; files: $(cd "$OUT" && ls | tr '\n' ' ')"
