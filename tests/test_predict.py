@@ -475,3 +475,31 @@ def test_the_experts_matmuls_are_simulated_and_counted_in_any_precision(precisio
     computed = sum(operation.flops for operation in work.micro_steps + work.rest)
     model_flops = presets.flops_per_token(presets.build_meta_model(config), config, 64) * 2 * 64
     assert computed == pytest.approx(model_flops, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "window_ratios, warned_at",
+    [
+        ([1.0, 1.0, 1.0], []),  # on time
+        ([1.0, 1.5, 1.0, 1.0], []),  # one window held up (the host, a profiled step): no slower run
+        ([1.0, 1.5, 1.0, 1.5, 1.0], []),  # slow windows, never two in a row
+        ([1.0, 1.3, 1.3, 1.3], [2]),  # slower from the second timed window on: said once
+        ([1.0, 1.3, 1.3, 1.4, 1.6, 1.6], [2, 4]),  # and again once the gap grew by a quarter more
+    ],
+)
+def test_the_live_prediction_warns_of_a_slower_run_only_when_two_windows_in_a_row_are_slow(
+    window_ratios, warned_at, capsys
+):
+    """LivePrediction.log_window for windows of the given measured/predicted ratios, after the first (the
+    warm-up, never held): the windows that print a warning."""
+    from run.prediction.live import LivePrediction
+
+    prediction = step_time.Prediction(1.0, 1.0, 1.0, "measured", "this CPU", 1, layer_forward_s=0.5)
+    live = LivePrediction(prediction)
+    live.log_window(5.0, {"host:0": (2.5, 0.0)})  # the first window: its compilation
+    warned = []
+    for index, ratio in enumerate(window_ratios):
+        live.log_window(ratio, {"host:0": (0.5 * ratio, 0.0)})
+        if "warning: steps take" in capsys.readouterr().out:
+            warned.append(index)
+    assert warned == warned_at

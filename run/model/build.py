@@ -147,8 +147,8 @@ def build_model(model_config, args, device, mesh, backend="inductor"):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     model = build_meta_model(model_config)
-    if args.float8:
-        convert_to_float8(model, fsdp=args.sharding != "ddp")
+    if args.float8:  # weights gathered in float8 only where a gather moves them between ranks
+        convert_to_float8(model, float8_all_gather=args.sharding != "ddp" and mesh.size(mesh.ndim - 1) > 1)
     blocks = decoder_layers(model)
     for index, block in enumerate(blocks):
         if (checkpoint_options := checkpointed(index, args)) is not None:

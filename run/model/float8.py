@@ -45,13 +45,15 @@ def import_torchao():
     return torchao.float8
 
 
-def convert_to_float8(model, fsdp):
-    """model's decoder linear layers swapped in place for float8 ones. fsdp: FSDP2 shards the model, so the
-    weights are all-gathered in float8. Returns the number of layers converted."""
+def convert_to_float8(model, float8_all_gather):
+    """model's decoder linear layers swapped in place for float8 ones. float8_all_gather: FSDP2 gathers the
+    weights from other ranks, in float8 (cast before the gather); otherwise each block casts its weights
+    where it uses them, inside its compiled code. Returns the number of layers converted."""
     float8 = import_torchao()
+    from torchao.float8.float8_linear import Float8Linear
     from transformers.pytorch_utils import Conv1D
 
-    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
+    config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=float8_all_gather)
     output_layer = model.get_output_embeddings()
     converted = 0
     for parent in list(model.modules()):
@@ -62,7 +64,7 @@ def convert_to_float8(model, fsdp):
                 setattr(parent, name, float8_conv1d(child, config))
                 converted += 1
             elif type(child) is torch.nn.Linear:
-                setattr(parent, name, float8.Float8Linear.from_float(child, config=config))
+                setattr(parent, name, Float8Linear.from_float(child, config=config))
                 converted += 1
     return converted
 
@@ -117,6 +119,11 @@ def scales_after_each_step(model, optimizer):
     from torch._subclasses.fake_tensor import is_fake
 
     float8 = import_torchao()
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    local = [getattr(p, "_local_tensor", p) for p in model.parameters()]
+    if not any(isinstance(tensor, WeightWithDynamicFloat8CastTensor) for tensor in local):
+        return  # no float8 all-gather: each cast takes its own scale
 
     def precompute(*_):
         if not is_fake(next(model.parameters())):  # a dry run's: no values to take a scale of

@@ -54,7 +54,7 @@ def build_optimizer(model, args, fused):
     optimizer = torch.optim.AdamW(
         groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=not fused
     )
-    if args.float8 and args.sharding != "ddp":
+    if args.float8:
         scales_after_each_step(model, optimizer)
     return optimizer
 

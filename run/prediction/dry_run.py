@@ -20,8 +20,9 @@ from run.report_figures import newest_report, read_report
 
 NOT_PREDICTED = "data loading; the first step's compilation"
 FLOAT8 = (
-    "float8: its tensors simulated as torchao makes them (weights gathered in float8); a roofline prices its "
-    "matmuls at the bf16 rate, as slow as bf16's (a benchmark report's or the run's own timings measure it)"
+    "float8: its tensors simulated as torchao makes them (weights gathered in float8 over two ranks or "
+    "more); a roofline prices its matmuls at the bf16 rate, as slow as bf16's (a benchmark report's or the "
+    "run's own timings measure it)"
 )
 
 

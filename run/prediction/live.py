@@ -1,7 +1,8 @@
 """The live step held against its prediction, at every log window after the first: the measured step over the
 predicted one, and the part that differs most, in the log line, the run's records (TensorBoard, W&B,
-metrics.jsonl) and the goodput ledger. A run slower than SLOW_RATIO times its prediction warns in one line
-naming that part, once, and again only if the gap grows by GROWTH more."""
+metrics.jsonl) and the goodput ledger. A run slower than SLOW_RATIO times its prediction in two log windows in
+a row warns in one line naming that part, once, and again only if the gap grows by GROWTH more: one slow
+window alone (a step the host held up, a profiled step at --log_every=1) is not a slower run."""
 
 import os
 
@@ -20,7 +21,7 @@ class LivePrediction:
     """prediction: rank 0's Prediction of this run's step (run/prediction/step_time.py)."""
 
     def __init__(self, prediction):
-        self.prediction, self.windows, self.warned_ratio = prediction, 0, None
+        self.prediction, self.windows, self.warned_ratio, self.slow_in_a_row = prediction, 0, None, 0
 
     def log_window(self, step_s, rank_times):
         """The record's fields for a log window of mean step time step_s; rank_times: {rank name: (compute s,
@@ -45,7 +46,8 @@ class LivePrediction:
                   "largest_difference_s": differences[largest]}  # fmt: skip
         if largest == "compute":
             fields["slowest_rank"] = slowest
-        if ratio > SLOW_RATIO and (self.warned_ratio is None or ratio > self.warned_ratio + GROWTH):
+        self.slow_in_a_row = self.slow_in_a_row + 1 if ratio > SLOW_RATIO else 0
+        if self.slow_in_a_row >= 2 and (self.warned_ratio is None or ratio > self.warned_ratio + GROWTH):
             self.warned_ratio = ratio
             pace = f" (slowest: {slowest}, computing {compute_s / layer_forward:.2f}x its prediction)"
             print(

@@ -1,0 +1,108 @@
+"""--float8: refused in one line where no GPU computes in float8; on the CPU (tests/float8_on_cpu.py lets
+torch's CPU float8 matmul stand in for the GPU's) a float8 run trains, its checkpoint resumes without
+--float8, and its export is plain weights; the dry run simulates float8's tensors and says what it cannot
+time. Speed and loss against bf16 are measured on a GPU: tests/perf/on_gpu.sh."""
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import SIMULATES, TINY, assert_ran, launch, parse_options, read_metrics, together, validated
+from transformers import AutoModelForCausalLM
+
+from run.model.float8 import convert_to_float8
+from run.model.presets import build_meta_model, build_model_config
+
+RUN = [*TINY, "--max_steps=6", "--checkpoint_every=3", "--tensorboard=False"]
+
+
+def test_float8_is_refused_in_one_line_where_no_gpu_computes_in_float8(tmp_path):
+    folders = [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}"]
+    result = launch("train.py", [*RUN, "--float8=True", *folders], nproc=0)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "error: --float8=True needs a GPU with float8 matmuls (H100, H200, L40S, B200); this machine has "
+        "none: leave --float8 off"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("model, per_layer", [("tiny", 4), ("tiny-llama", 7)])
+def test_float8_converts_the_decoder_linear_layers_and_leaves_the_output_layer(model, per_layer):
+    """GPT-2's Conv1D layers (attention in and out, MLP up and down) and Llama's seven linear layers, keeping
+    each weight's name and shape; the output layer and embeddings stay as they are."""
+    args = parse_options([f"--model={model}"])
+    config = build_model_config(validated(args))
+    plain, converted = build_meta_model(config), build_meta_model(config)
+    assert convert_to_float8(converted, float8_all_gather=False) == per_layer * config.num_hidden_layers
+    assert {n: p.shape for n, p in converted.named_parameters()} == {
+        n: p.shape for n, p in plain.named_parameters()
+    }
+    kinds = {type(m).__name__ for m in converted.modules()}
+    assert (
+        kinds & {"Float8Linear", "Float8Conv1D"}
+        and type(converted.get_output_embeddings()) is torch.nn.Linear
+    )
+
+
+def test_a_float8_run_trains_resumes_without_float8_and_exports_plain_weights(tmp_path):
+    """Two processes, so that FSDP gathers the weights in float8 and their scales are taken after each step.
+    float8 changes the losses slightly against the same run in full precision; its step-3 checkpoint resumes
+    without --float8 to the same step 4 loss as the float8 run, within float8's difference; the export loads
+    in transformers as plain weights."""
+    float8_dir, plain_dir = tmp_path / "float8", tmp_path / "plain"
+
+    def run(script, folder, *extra):
+        return lambda: launch(script, [*RUN, f"--log_dir={folder}", f"--checkpoint_dir={folder}", *extra])
+
+    float8_run, plain_run = together(
+        run("tests/float8_on_cpu.py", float8_dir, "--float8=True", "--run_name=r"), run("train.py", plain_dir)
+    )
+    assert_ran(float8_run)
+    assert_ran(plain_run)
+    float8_losses = [r["loss"] for r in read_metrics(float8_dir)]
+    plain_losses = [r["loss"] for r in read_metrics(plain_dir)]
+    assert float8_losses != plain_losses
+    assert all(abs(a / b - 1) < 0.02 for a, b in zip(float8_losses, plain_losses)), (
+        float8_losses,
+        plain_losses,
+    )
+
+    folders = [f"--log_dir={float8_dir}", f"--checkpoint_dir={float8_dir}"]
+    resumed = launch(
+        "train.py", [*RUN, *folders, "--run_name=r", f"--resume_from={float8_dir / 'r' / 'step_3'}"]
+    )
+    assert_ran(resumed)
+    assert re.search(r"^resumed from .*step_3 at step 3$", resumed.stdout, re.M), resumed.stdout[-2000:]
+    records = [json.loads(line) for line in (float8_dir / "r" / "metrics.jsonl").read_text().splitlines()]
+    step4 = [r["loss"] for r in records if r["step"] == 4]
+    assert len(step4) == 2 and abs(step4[1] / step4[0] - 1) < 0.02, step4
+
+    exported = AutoModelForCausalLM.from_pretrained(float8_dir / "r" / "final_model")
+    weights = dict(exported.named_parameters())
+    assert all(type(w.data) is torch.Tensor and w.dtype == torch.float32 for w in weights.values())
+    assert type(exported.transformer.h[0].mlp.c_fc).__name__ == "Conv1D"
+
+
+@SIMULATES
+def test_the_dry_run_simulates_float8_weights_gathered_in_float8_and_says_its_roofline_is_bf16s():
+    """At world size 2 FSDP gathers each weight in float8: a quarter of the fp32 weights' bytes and half of
+    bf16's, so the gathered parameters shrink; the dry run says that a roofline does not time float8."""
+    base = [
+        "train.py",
+        "--model=tiny",
+        "--dry_run",
+        "--world_size=2",
+        "--batch_size=8",
+        "--global_batch_size=16",
+    ]
+    runs = together(*(lambda extra=extra: launch(base[0], [*base[1:], *extra], nproc=0)
+                      for extra in ([], ["--float8=True"])))  # fmt: skip
+    gathered = []
+    for result in runs:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        gathered.append(float(re.search(r"^  gathered parameters +([\d.]+) GB", result.stdout, re.M)[1]))
+    assert gathered[1] < 0.75 * gathered[0], gathered
+    assert "float8: its tensors simulated as torchao makes them" in runs[1].stdout
+    assert "float8" not in runs[0].stdout.replace("float8=False", "")
