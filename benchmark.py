@@ -50,7 +50,7 @@ from checks.verdicts import MIN_STORAGE_GBPS
 from checks.world import MODES, SECTIONS, World, start_world
 from common.errors import ConfigError, report_config_error
 from common.node import node_name
-from common.quiet import quiet_torchao
+from common.quiet import torchao_for_float8_only
 from run.data.hub import use_cache_if_hub_unreachable
 from run.data.source import parse_source
 from run.options import parse, run_options
@@ -223,7 +223,7 @@ def refuse_untimed(args):
 
 
 def main(argv=None) -> int:
-    quiet_torchao()  # imported with every model class: see common/quiet.py
+    torchao_for_float8_only()  # before any model class: see common/quiet.py
     cfg = parse_args(argv)
     run = train_run(cfg["train_args"]) if cfg["train_args"] else None
     if cfg["check_only"]:

@@ -17,7 +17,7 @@ import torch
 from common import options
 from common.errors import ConfigError, fail
 from common.model_folders import refuse_remote_code
-from common.quiet import quiet_torchao
+from common.quiet import torchao_for_float8_only
 from run.checkpoint.export import export_checkpoint
 from run.checkpoint.safe_load import refused_weights
 from run.checkpoint.state_match import listed
@@ -167,7 +167,7 @@ def refuse_another_model(folder, report):
 def main(argv):
     if {"-h", "--help"} & set(argv):
         return options.print_help(sys.modules[__name__])
-    quiet_torchao()  # imported with every model class: see common/quiet.py
+    torchao_for_float8_only()  # before any model class: see common/quiet.py
     try:
         cfg = parse_args(argv)
         if os.path.isfile(os.path.join(cfg.init_from, "config.json")):

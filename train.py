@@ -34,7 +34,7 @@ import torch
 from common.errors import ConfigError, report_config_error
 from common.files import write_atomically
 from common.options import print_help
-from common.quiet import quiet_torchao
+from common.quiet import torchao_for_float8_only
 from run import launch, options, stops
 from run.checkpoint import export
 from run.checkpoint.checkpointer import Checkpointer
@@ -149,7 +149,7 @@ def main(argv):
     """The plan of a run. Bad input is a ConfigError wherever it is found: one line, exit status 2."""
     if {"-h", "--help"} & set(argv):
         return print_help(sys.modules[__name__])
-    quiet_torchao()  # imported with every model class: see common/quiet.py
+    torchao_for_float8_only()  # before any model class: see common/quiet.py
     try:
         args = options.parse(argv)
         use_cache_if_hub_unreachable(args, parse_source(args)[0])  # before any Hugging Face library loads

@@ -16,10 +16,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 sys.path.insert(0, str(REPO))  # tests import train.py, its modules in run/, and benchmark.py
-from common.quiet import quiet_torchao  # noqa: E402
+from common.quiet import torchao_for_float8_only  # noqa: E402
 from run import options  # noqa: E402
 
-quiet_torchao()  # as the scripts do: see common/quiet.py
+torchao_for_float8_only()  # as the scripts do: see common/quiet.py
 
 # A small, fast CPU configuration of the tiny preset that learns within a few dozen steps.
 TINY = [

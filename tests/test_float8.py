@@ -4,6 +4,7 @@ torch's CPU float8 matmul stand in for the GPU's) a float8 run trains, its check
 time. Speed and loss against bf16 are measured on a GPU: tests/perf/on_gpu.sh."""
 
 import json
+import os
 import re
 
 import pytest
@@ -106,3 +107,20 @@ def test_the_dry_run_simulates_float8_weights_gathered_in_float8_and_says_its_ro
     assert gathered[1] < 0.75 * gathered[0], gathered
     assert "float8: its tensors simulated as torchao makes them" in runs[1].stdout
     assert "float8" not in runs[0].stdout.replace("float8=False", "")
+
+
+def test_a_run_without_float8_never_imports_torchao(tmp_path):
+    """transformers would import torchao in every process that imports a model class, at a cost of seconds
+    of CPU at each start (common/quiet.py); a dry run, which builds the model, imports none of it."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    args = ["--model=tiny", "--dry_run", "--world_size=1", "--batch_size=8", "--global_batch_size=8"]
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}  # and in the processes the dry run starts
+    result = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert re.search(r"\| +transformers\.modeling_utils$", result.stderr, re.M)  # the models' machinery
+    assert re.findall(r"^import time: .*\| +torchao\b.*$", result.stderr, re.M) == []

@@ -12,7 +12,7 @@ import functools
 import torch
 
 from common.errors import ConfigError
-from common.quiet import quiet_torchao
+from common.quiet import torchao_for_float8_only
 
 MIN_CAPABILITY = (8, 9)  # float8 matmuls on tensor cores: Ada (8.9), Hopper (9.0) and newer
 ALIGNMENT = 16  # torch._scaled_mm's rule for both sides of a matmul
@@ -37,7 +37,7 @@ def check_float8_available():
 
 def import_torchao():
     """torchao's float8 training API."""
-    quiet_torchao()
+    torchao_for_float8_only()
     try:
         import torchao.float8
     except ImportError as error:
