@@ -192,6 +192,7 @@ def train_run(train_args):
         args = parse(argv)
         refuse_untimed(args)
         use_cache_if_hub_unreachable(args, parse_source(args)[0])  # before any Hugging Face library loads
+        torchao_for_float8_only()  # before any model class: see common/quiet.py
         options = run_options(argv)
     except ConfigError as error:
         lines = "\n".join(f"--train_args: {line}" for line in str(error).splitlines())
@@ -223,7 +224,6 @@ def refuse_untimed(args):
 
 
 def main(argv=None) -> int:
-    torchao_for_float8_only()  # before any model class: see common/quiet.py
     cfg = parse_args(argv)
     run = train_run(cfg["train_args"]) if cfg["train_args"] else None
     if cfg["check_only"]:

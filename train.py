@@ -149,10 +149,10 @@ def main(argv):
     """The plan of a run. Bad input is a ConfigError wherever it is found: one line, exit status 2."""
     if {"-h", "--help"} & set(argv):
         return print_help(sys.modules[__name__])
-    torchao_for_float8_only()  # before any model class: see common/quiet.py
     try:
         args = options.parse(argv)
         use_cache_if_hub_unreachable(args, parse_source(args)[0])  # before any Hugging Face library loads
+        torchao_for_float8_only()  # before any model class: see common/quiet.py
         if args.plot:
             return plot_run(args.plot)
         if args.export_from:

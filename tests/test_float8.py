@@ -6,6 +6,7 @@ time. Speed and loss against bf16 are measured on a GPU: tests/perf/on_gpu.sh.""
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -47,43 +48,44 @@ def test_float8_converts_the_decoder_linear_layers_and_leaves_the_output_layer(m
     )
 
 
-def test_a_float8_run_trains_resumes_without_float8_and_exports_plain_weights(tmp_path):
-    """Two processes, so that FSDP gathers the weights in float8 and their scales are taken after each step.
-    float8 changes the losses slightly against the same run in full precision; its step-3 checkpoint resumes
-    without --float8 to the same step 4 loss as the float8 run, within float8's difference; the export loads
-    in transformers as plain weights."""
+def test_a_float8_run_trains_exports_plain_weights_and_resumes_exactly_or_without_float8(tmp_path):
+    """Two processes, so that FSDP gathers the weights in float8 and their scales are taken after each step
+    and after a load. float8 changes the losses slightly against the same run in full precision; its export
+    loads in transformers as plain weights; its step-3 checkpoint resumes with --float8 to the uninterrupted
+    run's losses exactly, and without --float8 to within float8's difference."""
     float8_dir, plain_dir = tmp_path / "float8", tmp_path / "plain"
-
-    def run(script, folder, *extra):
-        return lambda: launch(script, [*RUN, f"--log_dir={folder}", f"--checkpoint_dir={folder}", *extra])
-
-    float8_run, plain_run = together(
-        run("tests/float8_on_cpu.py", float8_dir, "--float8=True", "--run_name=r"), run("train.py", plain_dir)
+    float8_run = [*RUN, f"--log_dir={float8_dir}", f"--checkpoint_dir={float8_dir}", "--run_name=r"]
+    first, plain_run = together(
+        lambda: launch("tests/float8_on_cpu.py", [*float8_run, "--float8=True"]),
+        lambda: launch("train.py", [*RUN, f"--log_dir={plain_dir}", f"--checkpoint_dir={plain_dir}"]),
     )
-    assert_ran(float8_run)
+    assert_ran(first)
     assert_ran(plain_run)
     float8_losses = [r["loss"] for r in read_metrics(float8_dir)]
     plain_losses = [r["loss"] for r in read_metrics(plain_dir)]
     assert float8_losses != plain_losses
-    assert all(abs(a / b - 1) < 0.02 for a, b in zip(float8_losses, plain_losses)), (
-        float8_losses,
-        plain_losses,
-    )
-
-    folders = [f"--log_dir={float8_dir}", f"--checkpoint_dir={float8_dir}"]
-    resumed = launch(
-        "train.py", [*RUN, *folders, "--run_name=r", f"--resume_from={float8_dir / 'r' / 'step_3'}"]
-    )
-    assert_ran(resumed)
-    assert re.search(r"^resumed from .*step_3 at step 3$", resumed.stdout, re.M), resumed.stdout[-2000:]
-    records = [json.loads(line) for line in (float8_dir / "r" / "metrics.jsonl").read_text().splitlines()]
-    step4 = [r["loss"] for r in records if r["step"] == 4]
-    assert len(step4) == 2 and abs(step4[1] / step4[0] - 1) < 0.02, step4
-
+    assert all(abs(a / b - 1) < 0.02 for a, b in zip(float8_losses, plain_losses)), float8_losses
     exported = AutoModelForCausalLM.from_pretrained(float8_dir / "r" / "final_model")
-    weights = dict(exported.named_parameters())
-    assert all(type(w.data) is torch.Tensor and w.dtype == torch.float32 for w in weights.values())
+    assert all(type(w.data) is torch.Tensor and w.dtype == torch.float32 for w in exported.parameters())
     assert type(exported.transformer.h[0].mlp.c_fc).__name__ == "Conv1D"
+
+    copy = tmp_path / "copy"  # the same run, for a second resume from step 3 (a run rewinds to a step once)
+    shutil.copytree(float8_dir, copy)
+    resumes = [("tests/float8_on_cpu.py", float8_dir, ["--float8=True"]), ("train.py", copy, [])]
+    for script, folder, extra in resumes:
+        folders = [f"--log_dir={folder}", f"--checkpoint_dir={folder}", "--run_name=r"]
+        resumed = launch(script, [*RUN, *folders, f"--resume_from={folder / 'r' / 'step_3'}", *extra])
+        assert_ran(resumed)
+        assert re.search(r"^resumed from .*step_3 at step 3$", resumed.stdout, re.M), resumed.stdout[-2000:]
+    losses = {}
+    for folder in (float8_dir, copy):
+        records = [json.loads(line) for line in (folder / "r" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6, 4, 5, 6]
+        losses[folder] = [r["loss"] for r in records[3:6]], [r["loss"] for r in records[6:]]
+    uninterrupted, again = losses[float8_dir]
+    without = losses[copy][1]
+    assert again == uninterrupted
+    assert all(abs(a / b - 1) < 0.02 for a, b in zip(without, uninterrupted)), (without, uninterrupted)
 
 
 @SIMULATES

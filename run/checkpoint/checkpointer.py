@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from common.errors import exit_after_the_speaker, fail
-from run.checkpoint.files import MANIFEST, checkpoint_problem, file_checksum, read_json
+from run.checkpoint.files import MANIFEST, checkpoint_problem, file_checksum, plain_tensors, read_json
 from run.checkpoint.safe_load import UnsafeFile, load_file, load_full, load_sharded
 from run.checkpoint.schedule import CheckpointSchedule, benchmark_write_GBps
 from run.checkpoint.set_aside import recorded, set_aside, set_aside_as_unusable, set_aside_unusable
@@ -50,7 +50,8 @@ def checkpoint_step(path):
 
 
 def model_and_optimizer_state(model, optimizer, full):
-    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    state = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=full, cpu_offload=full))
+    return plain_tensors(state)
 
 
 def own_files(folder, rank):

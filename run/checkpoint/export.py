@@ -5,13 +5,12 @@ import os
 import shutil
 import warnings
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from common.errors import ConfigError, exit_after_the_speaker, fail
 from run.checkpoint.checkpointer import save_error, save_errors, space_left
-from run.checkpoint.files import FULL, checkpoint_problem, read_json
+from run.checkpoint.files import FULL, checkpoint_problem, plain_tensors, read_json
 from run.checkpoint.safe_load import UnsafeFile, load_full, load_sharded
 
 
@@ -41,7 +40,7 @@ def export_pretrained(model, plain_model, tokenizer, path, rank):
     on the meta device, unwrapped), as a transformers folder. A failed write is one line, and every rank
     exits."""
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    state = {name: wrapped_tensor(value) for name, value in state.items()}
+    state = plain_tensors(state)
     problem = [None]
     if rank == 0:
         try:
@@ -56,16 +55,6 @@ def export_pretrained(model, plain_model, tokenizer, path, rank):
     dist.broadcast_object_list(problem, src=0)
     if problem[0]:
         fail(problem[0]) if rank == 0 else exit_after_the_speaker()
-
-
-def wrapped_tensor(tensor):
-    """The plain tensor inside a tensor subclass that wraps one (a float8 run's weights: torchao keeps the
-    fp32 master weight in a subclass that casts it as FSDP gathers it), so that the export holds plain
-    weights, as a bf16 run's does."""
-    while type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
-        inner, _ = tensor.__tensor_flatten__()
-        tensor = getattr(tensor, inner[0])
-    return tensor
 
 
 def export_checkpoint(path, rebuild, destination=None, option="--export_from"):

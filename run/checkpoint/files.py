@@ -10,6 +10,8 @@ import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from run.checkpoint.safe_load import (
     METADATA,
     UnsafeFile,
@@ -133,3 +135,32 @@ def manifest_problem(path, files, rank):
     if unlisted := next((n for n in read if n not in files and os.path.lexists(os.path.join(path, n))), None):
         return f"{os.path.join(path, unlisted)} is not listed in {MANIFEST}, so it is not checked"
     return None
+
+
+def plain_tensor(tensor):
+    """The plain tensor inside a tensor subclass that wraps one, sharing its storage; a DTensor whose shard is
+    such a subclass, as the same DTensor of the plain shard. A float8 run's weights are such a subclass
+    (torchao keeps the fp32 master weight in one that casts it as FSDP gathers it); saved as they are, a
+    checkpoint would name torchao's class, which no run may unpickle (weights_only), and an export would not
+    be plain weights."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        if type(local) is torch.Tensor:
+            return tensor
+        return DTensor.from_local(plain_tensor(local), tensor.device_mesh, tensor.placements, run_check=False,
+                                  shape=tensor.shape, stride=tensor.stride())  # fmt: skip
+    while type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+        inner, _ = tensor.__tensor_flatten__()
+        tensor = getattr(tensor, inner[0])
+    return tensor
+
+
+def plain_tensors(state):
+    """A (nested) state dict with each tensor as plain_tensor makes it."""
+    if isinstance(state, dict):
+        return {key: plain_tensors(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(plain_tensors(value) for value in state)
+    return plain_tensor(state) if isinstance(state, torch.Tensor) else state

@@ -113,9 +113,10 @@ def float8_conv1d_class():
     return Float8Conv1D
 
 
-def scales_after_each_step(model, optimizer):
+def scales_kept_current(model, optimizer):
     """With float8 all-gathers, the scales of all the weights in one all-reduce after every optimizer step
-    (torchao's precompute), rather than one all-reduce per weight in each all-gather."""
+    (torchao's precompute), rather than one all-reduce per weight in each all-gather; and after weights are
+    loaded, so that a resumed step casts them with the scales the uninterrupted run would have."""
     from torch._subclasses.fake_tensor import is_fake
 
     float8 = import_torchao()
@@ -130,3 +131,4 @@ def scales_after_each_step(model, optimizer):
             float8.precompute_float8_dynamic_scale_for_fsdp(model)
 
     optimizer.register_step_post_hook(precompute)
+    model.register_load_state_dict_post_hook(precompute)

@@ -7,7 +7,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from run.model.float8 import scales_after_each_step
+from run.model.float8 import scales_kept_current
 from run.model.loss import linear_cross_entropy
 
 LOSS_CHUNK_BYTES = 256e6  # the loss computes the fp32 logits of this many bytes at a time
@@ -55,7 +55,7 @@ def build_optimizer(model, args, fused):
         groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=not fused
     )
     if args.float8:
-        scales_after_each_step(model, optimizer)
+        scales_kept_current(model, optimizer)
     return optimizer
 
 
