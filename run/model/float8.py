@@ -1,11 +1,11 @@
 """float8 training (--float8): the decoder layers' linear layers compute in float8 with torchao, as torchtitan
-does under FSDP2: tensorwise scales computed from each tensor as it is cast, the weights all-gathered in
-float8 (half of bf16's bytes) with their scales computed for all of them in one all-reduce after each
-optimizer step, and the output layer, the embeddings and any layer whose sides are not multiples of 16 left
-in bf16. The master weights stay in fp32 and keep their names and shapes, so a float8 run's checkpoint loads
-into a bf16 run and exports as one. GPT-2's Conv1D layers (weights stored input x output) are computed as
-torchao's Float8Linear on the same tensor; Llama's nn.Linear layers are converted by torchao itself. A
-mixture of experts' experts are grouped matmuls, not linear layers: they stay in bf16."""
+does under FSDP2: tensorwise scales computed from each tensor as it is cast; over two ranks or more the
+weights all-gathered in float8 (half of bf16's bytes), their scales computed for all of them in one
+all-reduce after each optimizer step; the output layer, the embeddings and any layer whose sides are not
+multiples of 16 left in bf16. The master weights stay in fp32 and keep their names and shapes, so a float8
+run's checkpoint loads into a bf16 run and exports as one. GPT-2's Conv1D layers (weights stored input x
+output) are computed as torchao's Float8Linear on the same tensor; Llama's nn.Linear layers are converted by
+torchao itself. A mixture of experts' experts are grouped matmuls, not linear layers: they stay in bf16."""
 
 import functools
 
@@ -106,6 +106,8 @@ def float8_conv1d_class():
 
     class Float8Conv1D(Float8Linear):
         def forward(self, input):
+            if torch.is_autocast_enabled("cuda"):  # DDP's bf16 (autocast), as Float8Linear does
+                input = input.to(torch.get_autocast_dtype("cuda"))
             mm_config = self.linear_mm_config
             output = matmul_with_hp_or_float8_args.apply(input, self.weight, mm_config, self.config)
             return output + self.bias.to(output.dtype)
