@@ -53,6 +53,10 @@ POSITIVE = ("batch_size", "seq_length", "global_batch_size", "num_epochs", "log_
 NOT_NEGATIVE = ("warmup_steps", "weight_decay", "grad_clip", "keep_last", "exclude_stragglers_after")
 
 MAX_RUN_NAME = 200
+# Options added after runs were named by the digest of the first block: at their default they stay out of it,
+# so that a run named before keeps its name and its relaunch finds its checkpoints.
+NAMED_ONLY_WHEN_SET = {"float8": False}
+
 # Far beyond the largest clusters (about 100,000 GPUs); what a plan's search and simulation can take.
 MAX_WORLD_SIZE = 1 << 20
 
@@ -148,6 +152,9 @@ def complete(args, shape):
         args.mixed_precision = "bf16" if gpu_simulated or torch.cuda.is_available() else "fp32"
     if args.run_name is None:
         identity = {name: getattr(args, name) for name in names_the_run()}
+        for name, default in NAMED_ONLY_WHEN_SET.items():
+            if identity[name] == default:
+                del identity[name]
         digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
         args.run_name = f"{args.model}-{digest}"
 

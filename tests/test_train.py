@@ -216,7 +216,7 @@ NAMED_THE_RUN = {
     "model", "init_from", "n_embd", "n_layer", "n_head", "n_positions", "vocab_size", "data", "batch_size",
     "seq_length", "global_batch_size", "tokenizer", "text_column", "val_fraction", "lr", "min_lr",
     "warmup_steps", "weight_decay", "grad_clip", "seed", "sharding", "shard_group_size", "cpu_offload",
-    "activation_checkpointing", "ac_every", "compile", "mixed_precision", "ckpt_format",
+    "activation_checkpointing", "ac_every", "compile", "mixed_precision", "float8", "ckpt_format",
 }  # fmt: skip
 
 
@@ -238,7 +238,11 @@ def test_every_option_stands_in_one_of_the_two_blocks_as_python_reads_it(tmp_pat
     assert set(computes) == NAMED_THE_RUN
     args = parse_options(["--model=tiny", "--mixed_precision=fp32"])
     validated(args)
-    assert args.run_name == "tiny-85af8441"  # the name this run had before
+    assert args.run_name == "tiny-85af8441"  # the name this run had before --float8 was added
+    simulated = [parse_options(["--model=tiny", "--dry_run", *extra]) for extra in ([], ["--float8=True"])]
+    for args in simulated:
+        validated(args)
+    assert simulated[0].run_name != simulated[1].run_name  # float8 changes what is computed
 
 
 def test_a_train_py_whose_blocks_are_not_two_is_one_line(tmp_path, monkeypatch, capsys):
