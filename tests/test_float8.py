@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -89,33 +90,29 @@ def test_a_float8_run_trains_exports_plain_weights_and_resumes_exactly_or_withou
 
 
 @SIMULATES
-def test_the_dry_run_simulates_float8_weights_gathered_in_float8_and_says_its_roofline_is_bf16s():
+def test_the_dry_run_simulates_float8_weights_gathered_in_float8_and_says_its_roofline_is_bf16s(capsys):
     """At world size 2 FSDP gathers each weight in float8: a quarter of the fp32 weights' bytes and half of
     bf16's, so the gathered parameters shrink; the dry run says that a roofline does not time float8."""
-    base = [
-        "train.py",
-        "--model=tiny",
-        "--dry_run",
-        "--world_size=2",
-        "--batch_size=8",
-        "--global_batch_size=16",
-    ]
-    runs = together(*(lambda extra=extra: launch(base[0], [*base[1:], *extra], nproc=0)
-                      for extra in ([], ["--float8=True"])))  # fmt: skip
-    gathered = []
-    for result in runs:
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-        gathered.append(float(re.search(r"^  gathered parameters +([\d.]+) GB", result.stdout, re.M)[1]))
+    import train as train_script
+
+    base = ["--model=tiny", "--dry_run", "--world_size=2", "--batch_size=8", "--global_batch_size=16"]
+    outputs, gathered = [], []
+    for extra in ([], ["--float8=True"]):
+        with pytest.raises(SystemExit) as exit_info:
+            sys.exit(train_script.main([*base, "--compile=False", *extra]))
+        out = capsys.readouterr().out
+        assert exit_info.value.code == 0, out
+        outputs.append(out)
+        gathered.append(float(re.search(r"^  gathered parameters +([\d.]+) GB", out, re.M)[1]))
     assert gathered[1] < 0.75 * gathered[0], gathered
-    assert "float8: its tensors simulated as torchao makes them" in runs[1].stdout
-    assert "float8" not in runs[0].stdout.replace("float8=False", "")
+    assert "float8: its tensors simulated as torchao makes them" in outputs[1]
+    assert "float8" not in outputs[0].replace("float8=False", "")
 
 
 def test_a_run_without_float8_never_imports_torchao(tmp_path):
     """transformers would import torchao in every process that imports a model class, at a cost of seconds
     of CPU at each start (common/quiet.py); a dry run, which builds the model, imports none of it."""
     import subprocess
-    import sys
 
     from conftest import REPO
 
