@@ -8,6 +8,7 @@ output) are computed as torchao's Float8Linear on the same tensor; Llama's nn.Li
 torchao itself. A mixture of experts' experts are grouped matmuls, not linear layers: they stay in bf16."""
 
 import functools
+import types
 
 import torch
 
@@ -84,19 +85,13 @@ def aligned(module):
 
 def float8_conv1d(conv1d, config):
     """A Float8Linear computing conv1d: its weight (input x output) is already the transposed weight that
-    torchao's matmul takes, so it is used as it is, under the same name and shape."""
-    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
-
+    torchao's matmul takes, so it is used as it is, under the same name and shape. torchao's own from_float
+    builds it (and wraps the weight for float8 all-gathers), given conv1d's sides as a linear layer's."""
     in_features, out_features = conv1d.weight.shape
-    with torch.device("meta"):
-        layer = float8_conv1d_class()(in_features, out_features, bias=False, config=config)
-    weight = conv1d.weight
-    if config.enable_fsdp_float8_all_gather:
-        dtype = config.cast_config_weight.target_dtype
-        cast = WeightWithDynamicFloat8CastTensor(weight, layer.linear_mm_config, dtype)
-        weight = torch.nn.Parameter(cast, requires_grad=weight.requires_grad)
-    layer.weight, layer.bias = weight, conv1d.bias
-    return layer
+    as_linear = types.SimpleNamespace(
+        in_features=in_features, out_features=out_features, weight=conv1d.weight, bias=conv1d.bias
+    )
+    return float8_conv1d_class().from_float(as_linear, config=config)
 
 
 @functools.cache
