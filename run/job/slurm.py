@@ -148,10 +148,6 @@ class Slurm(Local):
         usable = [name for name, state in nodes if not state.endswith("*") and not state.startswith(UNUSABLE)]
         return list(dict.fromkeys(usable))  # a node of two partitions is listed twice
 
-    def ask_for_nodes(self, least, most):
-        status, out = self.call("scontrol", "update", f"JobId={self.job_id}", f"NumNodes={least}-{most}")
-        return None if status == 0 else out
-
     def check(self, node, command, env, container_image):
         """Runs a script's check of its options on node when only the container has its Python, else here."""
         if container_image:
