@@ -84,8 +84,8 @@ EOF
 cd "$REPO" || exit 1
 
 # Figures of `python train.py --dry_run --world_size=1 --seq_length=2048` at batch 8 (gpt2-xl: seq 1024, batch
-# 16, no checkpointing; _float8: with --float8), compiled as the runs are, run beforehand on CPU with torch 2.13, which the GPU image
-# lacks: the simulated peak to hold max_memory_allocated against.
+# 16, no checkpointing; _float8: with --float8), compiled as the runs are, run beforehand on CPU with torch
+# 2.13, which the GPU image lacks: the simulated peak to hold max_memory_allocated against.
 declare -A SIMULATED_GB=([op]=82.9 [full]=68.8 [op_offload]=34.7 [gpt2-xl]=60.8 [op_float8]=83.2 [full_float8]=69.3)
 ((SMOKE)) && SIMULATED_GB=()
 
