@@ -48,7 +48,6 @@ from run.model.build import build_model, initialise, never_packed_sequences
 from run.model.presets import build_meta_model, build_model_config, decoder_layers, flops_per_token
 from run.model.step import build_optimizer, evaluate, lr_factor, train_step
 from run.prediction import live as live_prediction
-from run.prediction.dry_run import report_dry_run
 from run.prediction.plan import has_auto, settle
 from run.progress import goodput, run_log
 from run.progress.curves import plot_run
@@ -169,6 +168,9 @@ def main(argv):
         if args.prepare_only:
             return prepare_data(args, tokenizer)
         if args.dry_run or args.plan:
+            # imported here: the simulation's imports would cost every training start 0.5 s
+            from run.prediction.dry_run import report_dry_run
+
             return report_dry_run(args, shape, model_config, meta_model, options.names_the_run())
         launch.check_machine_holds(args, meta_model)
         signals = stops.StopSignals(stops.StopRequests())

@@ -22,7 +22,6 @@ from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
 from common.node import available_memory_bytes
 from run.prediction import probe
-from run.prediction.simulate import simulate
 
 AUTO = "auto"
 CHOSEN = "plan.json"
@@ -38,6 +37,8 @@ DECIDES = ("model", "init_from", "n_embd", "n_layer", "n_head", "n_positions", "
 SETS = {"sharding": ("sharding", "shard_group_size"), "batch_size": ("batch_size",),
         "activation_checkpointing": ("activation_checkpointing",)}  # fmt: skip
 FIELDS = (("for", dict), ("options", dict), ("made", str))  # a kept choice's, and their kinds
+NONE_FITS = ("no candidate of --sharding/--activation_checkpointing/--batch_size=auto fits: use more GPUs "
+             "or a smaller model (python train.py --plan lists them)")  # fmt: skip
 
 
 def shardings(args, world_size, ranks_per_node):
@@ -79,15 +80,24 @@ def candidates(args, world_size, ranks_per_node):
                        "batch_size": batch}  # fmt: skip
 
 
+def simulated(args, model_config, world_size, n_params, ranks_per_node, fused=None):
+    """Each candidate simulated: (its change to args, args with it, peak GB, the step's Work)."""
+    # imported here: the fake-tensor simulation's imports cost every training start 0.5 s, and only the dry
+    # run and the auto options simulate
+    from run.prediction.simulate import simulate
+
+    for change in candidates(args, world_size, ranks_per_node):
+        candidate = types.SimpleNamespace(**{**vars(args), **change})
+        memory, work = simulate(candidate, model_config, world_size, n_params, ranks_per_node, fused)
+        yield change, candidate, sum(memory.values()), work
+
+
 def plan(args, model_config, world_size, n_params, memory_gb, predictor, names_the_run):
     """Rows of (candidate, peak GB, Prediction or None where it does not fit), fastest first, then those that
     do not fit. predictor: how the dry run predicts a candidate's step (run/prediction/dry_run.py)."""
-    ranks_per_node = min(args.gpus_per_node, world_size)
     rows = []
-    for change in candidates(args, world_size, ranks_per_node):
-        candidate = types.SimpleNamespace(**{**vars(args), **change})
-        memory, work = simulate(candidate, model_config, world_size, n_params)
-        peak = sum(memory.values())
+    ranks_per_node = min(args.gpus_per_node, world_size)
+    for change, candidate, peak, work in simulated(args, model_config, world_size, n_params, ranks_per_node):
         prediction = predictor(candidate, model_config, work, names_the_run) if peak <= memory_gb else None
         rows.append((change, peak, prediction))
     return sorted(rows, key=lambda row: (row[2] is None, row[2].step_s if row[2] else row[1]))
@@ -123,8 +133,7 @@ def fastest(rows):
     """The fastest candidate that fits; a ConfigError if none does."""
     fitting = [row for row in rows if row[2] is not None]
     if not fitting:
-        raise ConfigError("no candidate of --sharding/--activation_checkpointing/--batch_size=auto fits: "
-                          "use more GPUs or a smaller model (python train.py --plan lists them)")  # fmt: skip
+        raise ConfigError(NONE_FITS)
     return fitting[0][0]
 
 
@@ -179,8 +188,7 @@ def fastest_measured(args, model_config, n_params, device):
             fitting[0] = simulation.submit(fitting_changes, *arguments).result()
     dist.broadcast_object_list(fitting, src=0)
     if not fitting[0]:
-        raise ConfigError("no candidate of --sharding/--activation_checkpointing/--batch_size=auto fits: "
-                          "use more GPUs or a smaller model (python train.py --plan lists them)")  # fmt: skip
+        raise ConfigError(NONE_FITS)
     steps = []
     for change in fitting[0]:
         candidate = types.SimpleNamespace(**{**vars(args), **change})
@@ -191,13 +199,8 @@ def fastest_measured(args, model_config, n_params, device):
 
 def fitting_changes(args, model_config, world_size, n_params, memory_gb, ranks_per_node, fused):
     """The candidates whose simulated peak fits memory_gb."""
-    fits = []
-    for change in candidates(args, world_size, ranks_per_node):
-        candidate = types.SimpleNamespace(**{**vars(args), **change})
-        memory, _ = simulate(candidate, model_config, world_size, n_params, ranks_per_node, fused)
-        if sum(memory.values()) <= memory_gb:
-            fits.append(change)
-    return fits
+    simulations = simulated(args, model_config, world_size, n_params, ranks_per_node, fused)
+    return [change for change, _, peak, _ in simulations if peak <= memory_gb]
 
 
 def flags(taken, names):
