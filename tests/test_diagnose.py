@@ -206,9 +206,9 @@ def keep_a_prediction(folder):
 def slow_then_stopped(tmp_path_factory):
     """One 2-process run in two acts, which the tests below read. From the first step rank 1 is throttled
     (throttle(): pinning it to a core shared with a busy process does not hold on a shared machine, whose
-    scheduler moves other work off that core); log windows are 2 steps. After step 8 rank 1 is stopped, and
-    rank 0 waits in a collective until its watchdog (limit max(6 s, 4 x median step)) ends the run. Rank 0
-    also profiles steps 2 and 3."""
+    scheduler moves other work off that core); log windows are 2 steps. After step 8, and once the run has
+    warned that its steps are slower than predicted, rank 1 is stopped, and rank 0 waits in a collective
+    until its watchdog (limit max(6 s, 4 x median step)) ends the run. Rank 0 also profiles steps 2 and 3."""
     tmp_path = tmp_path_factory.mktemp("slow")
     keep_a_prediction(tmp_path)
     process = subprocess.Popen(
@@ -227,7 +227,9 @@ def slow_then_stopped(tmp_path_factory):
                 rank1 = worker_pids(process.pid)[1]
                 throttler = threading.Thread(target=throttle, args=(rank1, done))
                 throttler.start()
-            if line.startswith("step      8/"):
+            step = re.match(r"step +(\d+)/", line)
+            warned = any(said.startswith("warning: steps take") for said in output)  # over 5 s of steps
+            if step and int(step[1]) >= 8 and warned and stopped_at is None:
                 done.set()
                 throttler.join()
                 os.kill(rank1, signal.SIGSTOP)

@@ -478,28 +478,33 @@ def test_the_experts_matmuls_are_simulated_and_counted_in_any_precision(precisio
 
 
 @pytest.mark.parametrize(
-    "window_ratios, warned_at",
+    "window_ratios, window_s, warned_at",
     [
-        ([1.0, 1.0, 1.0], []),  # on time
-        ([1.0, 1.5, 1.0, 1.0], []),  # one window held up (the host, a profiled step): no slower run
-        ([1.0, 1.5, 1.0, 1.5, 1.0], []),  # slow windows, never two in a row
-        ([1.0, 1.3, 1.3, 1.3], [2]),  # slower from the second timed window on: said once
-        ([1.0, 1.3, 1.3, 1.4, 1.6, 1.6], [2, 4]),  # and again once the gap grew by a quarter more
+        ([1.0, 1.0, 1.0], 3, []),  # on time
+        ([1.0, 1.5, 1.0, 1.0], 3, []),  # one window held up (the host, a profiled step): no slower run
+        ([1.0, 1.5, 1.0, 1.5, 1.0], 3, []),  # slow windows, never two in a row
+        ([1.0, 1.3, 1.3, 1.3], 3, [2]),  # slower from the second timed window on: said once
+        ([1.0, 1.3, 1.3, 1.4, 1.6, 1.6], 3, [2, 5]),  # again once the gap over 5 s grew by a quarter more
+        # windows of a second and a quarter, as the CPU quick start logs them: two slow ones in a row are not
+        # enough (the last four took 1.15x)...
+        ([1.0, 1.26, 1.2, 1.13, 1.07, 1.03], 1.25, []),
+        ([1.0, 1.3, 1.3, 1.3, 1.3, 1.3], 1.25, [3]),  # ... a slower run is, once its slow steps add up to 5 s
     ],
 )
 def test_the_live_prediction_warns_of_a_slower_run_only_when_two_windows_in_a_row_are_slow(
-    window_ratios, warned_at, capsys
+    window_ratios, window_s, warned_at, capsys
 ):
-    """LivePrediction.log_window for windows of the given measured/predicted ratios, after the first (the
-    warm-up, never held): the windows that print a warning."""
+    """LivePrediction.log_window for windows of the given measured/predicted ratios, each window_s of
+    predicted steps, after the first (the warm-up, never held): the windows that print a warning."""
     from run.prediction.live import LivePrediction
 
-    prediction = step_time.Prediction(1.0, 1.0, 1.0, "measured", "this CPU", 1, layer_forward_s=0.5)
+    prediction = step_time.Prediction(0.25, 0.25, 0.25, "measured", "this CPU", 1, layer_forward_s=0.125)
     live = LivePrediction(prediction)
-    live.log_window(5.0, {"host:0": (2.5, 0.0)})  # the first window: its compilation
+    steps = round(window_s / prediction.step_s)
+    live.log_window(1.25, steps, {"host:0": (0.625, 0.0)})  # the first window: its compilation
     warned = []
     for index, ratio in enumerate(window_ratios):
-        live.log_window(ratio, {"host:0": (0.5 * ratio, 0.0)})
+        live.log_window(0.25 * ratio, steps, {"host:0": (0.125 * ratio, 0.0)})
         if "warning: steps take" in capsys.readouterr().out:
             warned.append(index)
     assert warned == warned_at

@@ -23,6 +23,8 @@ class LogWindows:
         self.schedule.choose(step_s)
         fields = self.stragglers.log_window(self.progress.timed_steps)
         if self.live:
-            fields |= self.ledger.against_prediction(self.live.log_window(step_s, self.stragglers.per_step))
+            fields |= self.ledger.against_prediction(
+                self.live.log_window(step_s, self.progress.timed_steps, self.stragglers.per_step)
+            )
         self.progress.log(val_loss, fields)
         self.ledger.write()
