@@ -13,12 +13,10 @@ from run.model.presets import flops_per_token, hardware_flops_per_token
 from run.options import gpu_memory_gb, launched_world_size
 from run.prediction import plan, probe, roofline
 from run.prediction.simulate import BLIND_SPOTS, DDP_ESTIMATE, OFFLOAD_ESTIMATE, simulate
-from run.prediction.step_time import measured, refusal
-from run.progress.curves import duration
+from run.prediction.step_time import measured, print_prediction, refusal
 from run.progress.progress import describe_model
 from run.report_figures import newest_report, read_report
 
-NOT_PREDICTED = "data loading; the first step's compilation"
 FLOAT8 = (
     "float8: its tensors simulated as torchao makes them (weights gathered in float8 over two ranks or "
     "more); a roofline prices its matmuls at the bf16 rate, as slow as bf16's (a benchmark report's or the "
@@ -117,25 +115,6 @@ def print_step(args, prediction, world_size, model_flops):
         print(refused)
     else:
         print_prediction(args, prediction, world_size, model_flops, datasheet(args.gpu))
-
-
-def print_prediction(args, prediction, world_size, model_flops, peak, where=""):
-    """The predicted step (and where it was kept, if it was), tokens/s per device, MFU over peak (the GPU
-    datasheet's figures, or None), the time to --max_steps."""
-    print(prediction.line() + (f" ({where})" if where else ""))
-    tokens = args.global_batch_size * args.seq_length / world_size
-    steps = (prediction.high_s, prediction.low_s) if prediction.basis == "roofline" else (prediction.step_s,)
-    rates = "-".join(f"{tokens / step:,.0f}" for step in steps)
-    mfu = ""
-    if peak:
-        mfu = ", MFU " + "-".join(
-            f"{model_flops * tokens / step / (peak['bf16'] * 1e12):.1%}" for step in steps
-        )
-    print(f"predicted: {rates} tokens/s per device{mfu}")
-    if args.max_steps > 0:
-        print(f"predicted: {args.max_steps} steps in {duration(args.max_steps * prediction.step_s)}")
-    print(f"not predicted: {NOT_PREDICTED}")
-    return prediction
 
 
 def changes_that_might_fit(args):

@@ -5,12 +5,11 @@ two log windows in a row, and over its last JUDGED_S seconds of steps, warns in 
 differs most, once, and again only if the gap grows by GROWTH more. One slow window is not a slower run (a
 step the host held up, a profiled step at --log_every=1), nor are two short ones on a shared CPU."""
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from common.datasheet import datasheet
+from run.prediction import probe, step_time
 
 # A healthy run lies within a few percent of a measured prediction (docs/PERFORMANCE.md); a rank slowed by
 # 1.3x slows the step past this. Judged over seconds, not single windows: the CPU quick start's windows of
@@ -81,9 +80,6 @@ def predict_own_step(args, model, model_config, device, log_folder, holds_for, m
     (run/prediction/step_time.py). Rank 0 prints it, keeps a prediction measured well, and returns its
     LivePrediction; the other ranks None. A probe whose timed steps varied too much is refused in one line,
     and training goes on without a prediction."""
-    from run.prediction import probe, step_time
-    from run.prediction.dry_run import print_prediction
-
     master, world_size = dist.get_rank() == 0, dist.get_world_size()
     kept = [step_time.kept(log_folder, holds_for) if master else None]
     dist.broadcast_object_list(kept, src=0)  # the probe is collective: every rank must know whether it runs
@@ -92,7 +88,7 @@ def predict_own_step(args, model, model_config, device, log_folder, holds_for, m
         if not master:
             return None
         where = f"kept in the run's log folder by its launch of {made}"
-        print_prediction(args, prediction, world_size, model_flops, peak_of(device), where)
+        step_time.print_prediction(args, prediction, world_size, model_flops, peak_of(device), where)
         return LivePrediction(prediction)
     accumulation = args.global_batch_size // (args.batch_size * world_size)
     source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
@@ -102,7 +98,7 @@ def predict_own_step(args, model, model_config, device, log_folder, holds_for, m
     if refusal := step_time.refusal(prediction):
         print(refusal, flush=True)
         return None
-    print_prediction(args, prediction, world_size, model_flops, peak_of(device))
+    step_time.print_prediction(args, prediction, world_size, model_flops, peak_of(device))
     step_time.keep(log_folder, prediction, holds_for)
     return LivePrediction(prediction)
 
@@ -113,8 +109,6 @@ def peak_of(device):
 
 def holds_for(args, names_the_run, device, world_size, processes_per_node):
     """What a kept prediction holds for: the values of the options that make the run what it is, and the
-    machine: this kind of device, as many processes on as many nodes, this torch."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
-    machine = {"device": name, "world_size": world_size, "processes_per_node": processes_per_node,
-               "torch": torch.__version__}  # fmt: skip
+    machine (step_time.this_machine)."""
+    machine = step_time.this_machine(device, world_size, processes_per_node)
     return {"options": {name: getattr(args, name) for name in names_the_run}, "machine": machine}

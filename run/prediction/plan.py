@@ -22,6 +22,7 @@ from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
 from common.node import available_memory_bytes
 from run.prediction import probe
+from run.prediction.step_time import this_machine
 
 AUTO = "auto"
 CHOSEN = "plan.json"
@@ -211,9 +212,7 @@ def choice_for(args, device):
     """What a choice of the auto options is made for: the options that decide it (DECIDES), and the machine,
     as many processes on as many nodes."""
     world_size = dist.get_world_size()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
-    machine = {"device": name, "world_size": world_size, "torch": torch.__version__,
-               "processes_per_node": int(os.environ.get("LOCAL_WORLD_SIZE", world_size))}  # fmt: skip
+    machine = this_machine(device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     return {**{name: getattr(args, name) for name in DECIDES}, **machine}
 
 

@@ -12,7 +12,10 @@ import os
 import sys
 import time
 
+import torch
+
 from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
+from run.progress.curves import duration
 
 KEPT = "prediction.json"
 # A probe measured well when its timed steps lie within KEEP_SPREAD of their median and other work took at
@@ -20,6 +23,7 @@ KEPT = "prediction.json"
 # machine the grid's probes lay within 10%: docs/PERFORMANCE.md).
 KEEP_SPREAD, KEEP_OTHERS, REFUSE_SPREAD = 0.15, 0.10, 0.5
 PLAUSIBLE_STEP_S = (1e-5, 86400.0)  # a kept step outside this is not one a run measured
+NOT_PREDICTED = "data loading; the first step's compilation"
 
 
 @dataclasses.dataclass
@@ -57,12 +61,39 @@ class Prediction:
         return f"predicted step: {self.step_s:.3g} s{parts} ({where})"
 
 
+def this_machine(device, world_size, processes_per_node):
+    """The machine a kept prediction or choice holds for: this kind of device, as many processes on as many
+    nodes, this torch."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
+    return {"device": name, "world_size": world_size, "processes_per_node": processes_per_node,
+            "torch": torch.__version__}  # fmt: skip
+
+
 def measured(probed, accumulation, source, basis="measured"):
     """The Prediction of a probe (run/prediction/probe.py's Measured) at the run's accumulation."""
     step = probed.step_at(accumulation)
     return Prediction(step, step, step, basis, source, accumulation, probed.micro_s,
                       probed.layer_forward_at(accumulation), probed.spread, probed.others,
                       probed.seconds)  # fmt: skip
+
+
+def print_prediction(args, prediction, world_size, model_flops, peak, where=""):
+    """The predicted step (and where it was kept, if it was), tokens/s per device, MFU over peak (the GPU
+    datasheet's figures, or None), the time to --max_steps."""
+    print(prediction.line() + (f" ({where})" if where else ""))
+    tokens = args.global_batch_size * args.seq_length / world_size
+    steps = (prediction.high_s, prediction.low_s) if prediction.basis == "roofline" else (prediction.step_s,)
+    rates = "-".join(f"{tokens / step:,.0f}" for step in steps)
+    mfu = ""
+    if peak:
+        mfu = ", MFU " + "-".join(
+            f"{model_flops * tokens / step / (peak['bf16'] * 1e12):.1%}" for step in steps
+        )
+    print(f"predicted: {rates} tokens/s per device{mfu}")
+    if args.max_steps > 0:
+        print(f"predicted: {args.max_steps} steps in {duration(args.max_steps * prediction.step_s)}")
+    print(f"not predicted: {NOT_PREDICTED}")
+    return prediction
 
 
 def refusal(prediction):
