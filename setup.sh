@@ -13,7 +13,7 @@ echo "setup.sh: installing requirements.txt into $VENV (once; later calls reuse 
 if command -v uv >/dev/null 2>&1; then
   uv venv --allow-existing "$VENV" >&2
   # bytecode at install, as pip does: the test suite writes none, and each of its processes would otherwise
-  # compile torch's and transformers' sources (10 s of CPU to import them, against 4 s)
+  # compile torch's and transformers' sources: 2.7-2.9 times the CPU to import them
   uv pip install --compile-bytecode --python "$VENV/bin/python" -r requirements.txt >&2
 else
   python3 -m venv "$VENV"
