@@ -83,8 +83,8 @@ def candidates(args, world_size, ranks_per_node):
 
 def simulated(args, model_config, world_size, n_params, ranks_per_node, fused=None):
     """Each candidate simulated: (its change to args, args with it, peak GB, the step's Work)."""
-    # imported here: the fake-tensor simulation's imports cost every training start 0.5 s, and only the dry
-    # run and the auto options simulate
+    # imported here: the fake-tensor simulation's imports cost every training start 0.6 s of CPU, and only the
+    # dry run and the auto options simulate
     from run.prediction.simulate import simulate
 
     for change in candidates(args, world_size, ranks_per_node):

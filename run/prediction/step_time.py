@@ -19,8 +19,8 @@ from run.progress.curves import duration
 
 KEPT = "prediction.json"
 # A probe measured well when its timed steps lie within KEEP_SPREAD of their median and other work took at
-# most KEEP_OTHERS of the host's cores meanwhile; it is not worth printing past REFUSE_SPREAD (on a quiet
-# machine the grid's probes lay within 10%: docs/PERFORMANCE.md).
+# most KEEP_OTHERS of the host's cores meanwhile; it is not worth printing past REFUSE_SPREAD (on the quiet
+# 2-core machine half the grid's probes, and the quick start's, lay more than 15% apart: docs/PERFORMANCE.md).
 KEEP_SPREAD, KEEP_OTHERS, REFUSE_SPREAD = 0.15, 0.10, 0.5
 PLAUSIBLE_STEP_S = (1e-5, 86400.0)  # a kept step outside this is not one a run measured
 NOT_PREDICTED = "data loading; the first step's compilation"
