@@ -93,7 +93,6 @@ def print_prediction(args, prediction, world_size, model_flops, peak, where=""):
     if args.max_steps > 0:
         print(f"predicted: {args.max_steps} steps in {duration(args.max_steps * prediction.step_s)}")
     print(f"not predicted: {NOT_PREDICTED}")
-    return prediction
 
 
 def refusal(prediction):
