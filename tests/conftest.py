@@ -16,10 +16,13 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 sys.path.insert(0, str(REPO))  # tests import train.py, its modules in run/, and benchmark.py
+import forked  # noqa: E402
+
 from common.quiet import torchao_for_float8_only  # noqa: E402
 from run import options  # noqa: E402
 
 torchao_for_float8_only()  # as the scripts do: see common/quiet.py
+REAL_PROCESSES = os.environ.get("REAL_PROCESSES") == "1"
 
 # A small, fast CPU configuration of the tiny preset that learns within a few dozen steps.
 TINY = [
@@ -129,8 +132,13 @@ def torchrun_command(script, args, nproc, torchrun_args=()):
 
 
 def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
-    command = torchrun_command(script, args, nproc)
+    """script with nproc processes under torchrun, or as a plain process when nproc is 0: a fork of this
+    process where it can be one (tests/forked.py), else a new interpreter, as every launch is with
+    REAL_PROCESSES=1."""
     full_env = {**os.environ, **(env or {})}
+    if not nproc and not REAL_PROCESSES and forked.forkable(full_env):
+        return forked.run_script(REPO / script, args, cwd, full_env, timeout)
+    command = torchrun_command(script, args, nproc)
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
