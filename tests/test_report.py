@@ -70,13 +70,15 @@ def seed_history(tmp_path, report_path, faster, runs=3, damaged=False):
 
 def test_a_node_slower_than_its_own_history_is_warned_and_the_job_goes_on(tmp_path):
     _, _, first, _ = benchmark(tmp_path)
-    [node] = seed_history(tmp_path, first, faster=1.5)
+    # a history 4 times faster: far beyond what two runs on a busy machine differ by (at 1.5 times, a second
+    # run on a loaded machine once measured fast enough to pass)
+    [node] = seed_history(tmp_path, first, faster=4)
     result, verdict, report, _ = benchmark(tmp_path)
     assert verdict == "warn"
     warns = [c for c in yaml.safe_load(open(report))["checks"] if c["check"].startswith("history ")]
     assert warns and all(c["status"] == "warn" and c["check"].startswith(f"history {node} ") for c in warns)
-    # a third slower, unless this run was faster than the first by chance (a 2-core machine is shared)
-    assert all(re.fullmatch(r"[\d.]+, usually [\d.]+ \(-[1-9]\d%\)", c["value"]) for c in warns), warns
+    # three quarters slower, give or take what the runs differ by
+    assert all(re.fullmatch(r"[\d.]+, usually [\d.]+ \(-[4-9]\d%\)", c["value"]) for c in warns), warns
     assert f"warn    {warns[0]['check']}" in result.stdout
     assert len((tmp_path / history.HISTORY_FILE).read_text().splitlines()) == 4  # 3 seeded and this one
 
