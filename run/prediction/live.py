@@ -75,40 +75,34 @@ class LivePrediction:
 
 
 def predict_own_step(args, model, model_config, device, log_folder, holds_for, model_flops):
-    """Before training sets model's weights, on every rank: this run's step measured by stepping model on
-    dummy batches (run/prediction/probe.py), or as an earlier launch of the run kept it
-    (run/prediction/step_time.py). Rank 0 prints it, keeps a prediction measured well, and returns its
-    LivePrediction; the other ranks None. A probe whose timed steps varied too much is refused in one line,
-    and training goes on without a prediction."""
+    """Before training sets model's weights, on every rank: this run's step as an earlier launch kept it
+    (step_time.py), else measured by stepping model on dummy batches (probe.py). Rank 0 prints it, keeps a
+    prediction measured well, and returns its LivePrediction; the other ranks, or where the probe's timed
+    steps varied too much (one line, and training goes on), None."""
     master, world_size = dist.get_rank() == 0, dist.get_world_size()
     kept = [step_time.kept(log_folder, holds_for) if master else None]
     dist.broadcast_object_list(kept, src=0)  # the probe is collective: every rank must know whether it runs
     if kept[0]:
         prediction, made = kept[0]
-        if not master:
-            return None
         where = f"kept in the run's log folder by its launch of {made}"
-        step_time.print_prediction(args, prediction, world_size, model_flops, peak_of(device), where)
-        return LivePrediction(prediction)
-    accumulation = args.global_batch_size // (args.batch_size * world_size)
-    source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
-    prediction = step_time.measured(probe.measure(args, model, model_config, device), accumulation, source)
+    else:
+        accumulation = args.global_batch_size // (args.batch_size * world_size)
+        source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
+        prediction = step_time.measured(
+            probe.measure(args, model, model_config, device), accumulation, source
+        )
+        where = ""
     if not master:
         return None
-    if refusal := step_time.refusal(prediction):
-        print(refusal, flush=True)
+    peak = datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if not step_time.announce(args, prediction, world_size, model_flops, peak, where):
         return None
-    step_time.print_prediction(args, prediction, world_size, model_flops, peak_of(device))
-    step_time.keep(log_folder, prediction, holds_for)
+    if not kept[0]:
+        step_time.keep(log_folder, prediction, holds_for)
     return LivePrediction(prediction)
 
 
-def peak_of(device):
-    return datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-
-
 def holds_for(args, names_the_run, device, world_size, processes_per_node):
-    """What a kept prediction holds for: the values of the options that make the run what it is, and the
-    machine (step_time.this_machine)."""
+    """What a kept prediction holds for: the values of the options that name the run, and the machine."""
     machine = step_time.this_machine(device, world_size, processes_per_node)
     return {"options": {name: getattr(args, name) for name in names_the_run}, "machine": machine}
