@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from common.nccl_tests import SWEEP_NAMES
 from run.launch import device_mesh
 from run.model.build import build_model
 from run.model.step import build_optimizer, train_step
@@ -34,29 +35,19 @@ MEMORY_CATEGORIES = {
 }
 OFFLOADED = ("sharded parameters", "gradients", "optimizer state")
 
-DDP_ESTIMATE = (
-    "estimated for DDP: FSDP simulated at world size 1 (every rank holds the whole model, as DDP does), plus "
-    "DDP's gradient buckets, 4 bytes a parameter"
-)
-OFFLOAD_ESTIMATE = (
-    "estimated for cpu_offload: the simulation without offloading, less the sharded parameters, gradients "
-    "and optimizer state, which offloading keeps in host memory"
-)
-BLIND_SPOTS = (
-    "allocator fragmentation, NCCL buffers and the CUDA context (leave a few GB); CPU flash attention stands "
-    "in for the GPU's (both keep the same tensors); a compiled block's kernels are run one operation at a "
-    "time, so its temporaries inside a kernel are counted"
-)
-
-# The collectives FSDP and DTensor issue, by kind, as nccl-tests names them.
-COLLECTIVES = {"allgather": "all_gather", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
-               "allreduce": "all_reduce", "all_reduce": "all_reduce", "broadcast": "broadcast"}  # fmt: skip
+DDP_ESTIMATE = ("estimated for DDP: FSDP simulated at world size 1 (every rank holds the whole model, as DDP "
+                "does), plus DDP's gradient buckets, 4 bytes a parameter")  # fmt: skip
+OFFLOAD_ESTIMATE = ("estimated for cpu_offload: the simulation without offloading, less the sharded "
+                    "parameters, gradients and optimizer state, which offloading keeps in host "
+                    "memory")  # fmt: skip
+BLIND_SPOTS = ("allocator fragmentation, NCCL buffers and the CUDA context (leave a few GB); CPU flash "
+               "attention stands in for the GPU's (both keep the same tensors); a compiled block's kernels "
+               "are run one operation at a time, so its temporaries inside a kernel are counted")  # fmt: skip
 # Operations that compute nothing: allocations, the profiler's marks, waits (and every view: is_view).
 FREE = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
         "prim.device.default", "aten.lift_fresh.default", "profiler._record_function_enter_new.default",
         "profiler._record_function_exit._RecordFunction", "_c10d_functional.wait_tensor.default"}  # fmt: skip
-# gloo's collectives on a CPU, and the argument whose size the buffer each takes has: an all-gather's output,
-# a reduce-scatter's input (Tracker).
+# gloo's collectives, and the argument whose size the buffer each takes has (Tracker)
 GLOO_BUFFERS = {"c10d._allgather_base_.default": 0, "c10d._reduce_scatter_base_.default": 1}
 # The experts' grouped matmul (M x K by experts x K x N), as transformers runs it: aten's, or in float32
 # on fake tensors (whose shape rule for aten's takes bf16 alone) its own operator of the same tensors.
@@ -130,9 +121,9 @@ class Recorder(TorchDispatchMode):
         return out
 
     def collective(self, func, args, tensors):
-        name = str(func)
-        kind = next((kind for word, kind in COLLECTIVES.items() if word in name), None)
-        if kind is None or not name.startswith(("c10d.", "_c10d_functional.")):
+        name = str(func).replace("_", "")  # c10d's say allgather, functional ones all_gather, and so on
+        kind = next((kind for kind in SWEEP_NAMES.values() if kind.replace("_", "") in name), None)
+        if kind is None or not name.startswith(("c10d.", "c10dfunctional.")):
             return None
         boxed = next((leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.ScriptObject)), None)
         if boxed is not None:  # c10d's own operations take the group itself; functional ones its name
@@ -166,9 +157,9 @@ def flops(func, args, kwargs, out):
 
 
 def simulated_compiler(gm, example_inputs):
-    """What inductor does to a block before it generates kernels: its decompositions and its partition of the
-    forward and backward graphs (which decides what the forward saves); the graphs then run one operation at
-    a time, each value freed after its last use, so that they run on fake tensors."""
+    """Inductor's decompositions and partition of a block's forward and backward graphs (which decides what
+    the forward saves), the graphs then run one operation at a time on fake tensors, each value freed after
+    its last use."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -215,9 +206,9 @@ def experts_on_fake_tensors():
 
 
 def simulate_step(args, model_config, world_size, ranks_per_node, fused, accumulation):
-    """One optimizer step of `accumulation` micro-steps (1 or 2: a third looks like the second), the second
-    step of two (the first allocates the optimizer state, compiles, and fake DTensors allocate extra once):
-    (peak bytes per rank by category, the step's operations). fused: AdamW's fused kernels (a GPU's)."""
+    """(peak bytes per rank by category, the operations) of an optimizer step of `accumulation` micro-steps (1
+    or 2: a third looks like the second), the second of two (the first allocates the optimizer state,
+    compiles, and fake DTensors allocate extra once). fused: AdamW's fused kernels (a GPU's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
