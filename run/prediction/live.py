@@ -1,9 +1,9 @@
-"""The live step held against its prediction, at every log window after the first: the measured step over the
-predicted one, and the part that differs most, in the log line, the run's records (TensorBoard, W&B,
-metrics.jsonl) and the goodput ledger. A run whose steps took more than SLOW_RATIO times their prediction in
-two log windows in a row, and over its last JUDGED_S seconds of steps, warns in one line naming the part that
-differs most, once, and again only if the gap grows by GROWTH more. One slow window is not a slower run (a
-step the host held up, a profiled step at --log_every=1), nor are two short ones on a shared CPU."""
+"""The live step held against its prediction at every log window after the first: the measured step over the
+predicted one and the part that differs most, in the log line, the run's records and the goodput ledger. A
+run whose steps took more than SLOW_RATIO times their prediction in two log windows in a row, and over its
+last JUDGED_S seconds of steps, warns in one line naming that part, once, and again only if the gap grows by
+GROWTH more: one slow window is not a slower run (a step the host held up, a profiled step at
+--log_every=1), nor are two short ones on a shared CPU."""
 
 import torch
 import torch.distributed as dist
@@ -20,11 +20,11 @@ JUDGED_S = 5.0
 
 
 class LivePrediction:
-    """prediction: rank 0's Prediction of this run's step (run/prediction/step_time.py)."""
+    """prediction: rank 0's Prediction of this run's step."""
 
     def __init__(self, prediction):
-        self.prediction, self.windows, self.warned_ratio, self.recent = prediction, 0, None, []
-        self.slow_in_a_row = 0
+        self.prediction, self.recent = prediction, []
+        self.windows, self.slow_in_a_row, self.warned_ratio = 0, 0, 0.0
 
     def log_window(self, step_s, steps, rank_times):
         """The record's fields for a log window of `steps` timed steps of mean time step_s; rank_times: {rank
@@ -37,11 +37,8 @@ class LivePrediction:
         slowest, (compute_s, _) = max(rank_times.items(), key=lambda item: item[1][0])
         # The step waits for its slowest rank; where its layers run slower than predicted, so does the rest
         # of its compute, most of the step.
-        compute_excess = predicted * (compute_s / layer_forward - 1) if layer_forward else 0.0
-        differences = {
-            "compute": compute_excess,
-            "data loading": max(data_s for _, data_s in rank_times.values()),
-        }
+        differences = {"compute": predicted * (compute_s / layer_forward - 1) if layer_forward else 0.0,
+                       "data loading": max(data_s for _, data_s in rank_times.values())}  # fmt: skip
         differences["communication and the rest"] = step_s - predicted - sum(differences.values())
         largest = max(differences, key=lambda name: abs(differences[name]))
         ratio = step_s / predicted
@@ -51,15 +48,13 @@ class LivePrediction:
             fields["slowest_rank"] = slowest
         self.slow_in_a_row = self.slow_in_a_row + 1 if ratio > SLOW_RATIO else 0
         judged, seconds = self.judged(step_s * steps, predicted * steps)
-        if self.slow_in_a_row >= 2 and judged > max(SLOW_RATIO, (self.warned_ratio or 0) + GROWTH):
+        if self.slow_in_a_row >= 2 and judged > max(SLOW_RATIO, self.warned_ratio + GROWTH):
             self.warned_ratio = judged
             pace = f" (slowest: {slowest}, computing {compute_s / layer_forward:.2f}x its prediction)"
-            print(
-                f"warning: steps take {judged:.2f}x their predicted {predicted:.3g} s (the last "
-                f"{seconds:.3g} s of steps); the largest difference is {largest}, "
-                f"{differences[largest]:+.3g} s a step{pace if largest == 'compute' else ''}",
-                flush=True,
-            )
+            print(f"warning: steps take {judged:.2f}x their predicted {predicted:.3g} s (the last "
+                  f"{seconds:.3g} s of steps); the largest difference is {largest}, "
+                  f"{differences[largest]:+.3g} s a step{pace if largest == 'compute' else ''}",
+                  flush=True)  # fmt: skip
         return fields
 
     def judged(self, seconds, predicted_s):

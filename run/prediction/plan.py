@@ -1,10 +1,8 @@
-"""The choice of how to run: every candidate way of running this model at this world size (sharding with each
-sensible shard-group size, activation checkpointing, the micro-batch at the same global batch), simulated on
-fake tensors for its peak memory and, where it fits, predicted (dry_run.py). --plan lists those that fit,
-fastest first; --sharding=auto, --activation_checkpointing=auto and --batch_size=auto take the fastest. A
-training run chooses once, every rank probing each candidate that fits on its own devices (probe.py); rank 0
-keeps the choice in the run's log folder (CHOSEN) for every later launch with the same options on the same
-machine."""
+"""The choice of how to run: each candidate (a sharding and shard-group size, activation checkpointing, a
+micro-batch at the same global batch) simulated for its peak memory and, where it fits, predicted. --plan
+lists those that fit, fastest first; --sharding, --activation_checkpointing and --batch_size=auto take the
+fastest, which a training run probes on its own devices once: rank 0 keeps its choice (CHOSEN) for every
+later launch with the same options on the same machine."""
 
 import itertools
 import json
@@ -29,9 +27,8 @@ AUTO = "auto"
 CHOSEN = "plan.json"
 CHECKPOINTING = ("none", "op", "selective", "full")
 WIDTHS = (12, 14, 5, 9, 16, 8)  # the plan's columns
-# What decides a choice of the auto options, beside the machine: the model and its shape, the batch, the
-# sequence, and every option that changes a candidate's memory or time, the auto options included (those the
-# user fixed narrow the candidates).
+# What decides a choice of the auto options beside the machine: every option that changes a candidate's
+# memory or time, the auto options included (those the user fixed narrow the candidates).
 DECIDES = ("model", "init_from", "n_embd", "n_layer", "n_head", "n_positions", "vocab_size", "data",
            "tokenizer", "seq_length", "global_batch_size", "mixed_precision", "compile", "cpu_offload",
            "sharding", "shard_group_size", "activation_checkpointing", "ac_every", "batch_size")  # fmt: skip
@@ -87,7 +84,7 @@ def simulated(args, model_config, world_size, n_params, ranks_per_node, fused=No
 
 def plan(args, model_config, world_size, n_params, memory_gb, predictor, names_the_run):
     """Rows of (candidate, peak GB, Prediction or None where it does not fit), fastest first, then those that
-    do not fit. predictor: how the dry run predicts a candidate's step (dry_run.py)."""
+    do not fit. predictor: the dry run's (dry_run.py)."""
     rows = []
     ranks_per_node = min(args.gpus_per_node, world_size)
     for change, candidate, peak, work in simulated(args, model_config, world_size, n_params, ranks_per_node):
@@ -132,11 +129,9 @@ def has_auto(args):
 
 
 def settle(args, model_config, n_params, log_folder, device, taking):
-    """After the process group is up, on every rank: sets the options left to auto to the run's choice, the
-    one an earlier launch kept (CHOSEN) for these options on this machine, else the fastest candidate that
-    fits, each probed on the run's devices, which rank 0 keeps. taking(chosen): args with chosen taken as the
-    same options on the command line would be (a ConfigError says why not). A damaged choice is one warning,
-    set aside, and made again."""
+    """On every rank, the process group up: sets the options left to auto as an earlier launch chose them for
+    these options on this machine, else to the fastest candidate probed, which rank 0 keeps. taking(chosen):
+    args with chosen taken as the command line would take it (a ConfigError says why not)."""
     path, made_for = os.path.join(log_folder, CHOSEN), choice_for(args, device)
     names = [name for option, sets in SETS.items() if getattr(args, option) == AUTO for name in sets]
     master = dist.get_rank() == 0

@@ -1,11 +1,9 @@
-"""The step measured where it will run: the run's own model, built, wrapped and compiled as training builds
-it, stepped on dummy batches with an optimizer of its own before training sets its weights, on the run's
-process group and devices, at its micro-batch, every rank at once. Nothing is modelled: kernels as compiled,
-recomputation, FSDP's copies and hooks, the collectives on the real links, the optimizer and the host's own
-time are in the step. A step of more micro-steps than the probe's (at most five) adds, for each, what the
-probe's middle ones cost on average (not the first, which takes the gradients' memory anew, nor the last,
-which reduces them under DDP and steps). A probe says how well it measured: how far apart its timed steps
-lay (spread), and on a CPU how much of the cores other work took meanwhile (others)."""
+"""The step measured where it will run: the run's own model, built and compiled as training builds it, stepped
+on dummy batches with an optimizer of its own before training sets its weights, every rank at once. Nothing
+is modelled: kernels, recomputation, FSDP, the collectives on the real links and the host's time are in the
+step. More micro-steps than the probe's (at most five) add each what its middle ones cost on average (the
+first takes the gradients' memory anew, the last reduces them under DDP and steps). A probe says how well it
+measured: how far apart its timed steps lay (spread), and on a CPU how much of the cores others took."""
 
 import copy
 import dataclasses
@@ -153,11 +151,10 @@ def usage():
 def others_share(everyone):
     """The largest share of a host's cores that work other than this run's ranks took while they were timed,
     from each rank's (host, *usage())."""
-    per_host = {}
+    per_host = {}  # host: (busy, wall, its ranks' CPU) seconds
     for host, cpu, busy, wall in everyone:
         if busy is not None:
-            _, _, ranks = per_host.get(host, (busy, wall, 0.0))
-            per_host[host] = (busy, wall, ranks + cpu)
+            per_host[host] = (busy, wall, per_host.get(host, (0, 0, 0.0))[2] + cpu)
     cores = os.cpu_count() or 1
     return max(
         (max(0.0, busy - ranks) / (wall * cores) for busy, wall, ranks in per_host.values()), default=0.0
@@ -174,9 +171,7 @@ def spread_of(seconds):
 def build_and_measure(args, model_config, device, local_world_size):
     """Builds the run's model on the process group as training would and probes it; the model is freed."""
     mesh = device_mesh(args, device.type, dist.get_world_size(), local_world_size)
-    model = build_model(model_config, args, device, mesh)
-    found = measure(args, model, model_config, device)
-    del model
+    found = measure(args, build_model(model_config, args, device, mesh), model_config, device)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
