@@ -1,7 +1,7 @@
-"""--dry_run: will this run fit, and how fast will it go? The config and the model; the simulated peak memory
-of a rank, by category, against the device's memory, and the nearest change that fits when it does not;
-FLOPs per token; the predicted step, on the best basis at hand: a benchmark report's timings of this very
-configuration, this machine's CPU measured now (--gpu=cpu), else a roofline from the report's or the GPU
+"""--dry_run: will this run fit, and how fast will it go? The config and the model; a rank's simulated peak
+memory by category against the device's, and the nearest change that fits when it does not; FLOPs per
+token; the predicted step, on the best basis at hand: a benchmark report's timings of this very
+configuration, this machine's CPU measured now (--gpu=cpu), else a roofline of the report's or the GPU
 datasheet's figures. --plan and the auto options list or take the fastest candidate that fits."""
 
 import time
@@ -13,7 +13,7 @@ from run.model.presets import flops_per_token, hardware_flops_per_token
 from run.options import gpu_memory_gb, launched_world_size
 from run.prediction import plan, probe, roofline
 from run.prediction.simulate import BLIND_SPOTS, DDP_ESTIMATE, OFFLOAD_ESTIMATE, simulate
-from run.prediction.step_time import measured, print_prediction, refusal
+from run.prediction.step_time import announce, measured
 from run.progress.progress import describe_model
 from run.report_figures import newest_report, read_report
 
@@ -41,9 +41,7 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
         if args.plan:
             return plan.print_plan(rows, args, world_size, gpu_gb, started)
         vars(args).update(chosen := plan.fastest(rows))
-        print(
-            f"chose: {' '.join(f'--{key}={value}' for key, value in chosen.items())} (the fastest that fits)"
-        )
+        print(f"chose: {plan.flags(chosen)} (the fastest that fits)")
     model_flops = flops_per_token(meta_model, model_config, args.seq_length)
     hardware_flops = hardware_flops_per_token(args, model_config, meta_model, model_flops)
     most = model_flops / hardware_flops
@@ -65,21 +63,16 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
     total = sum(memory.values())
     target = f"{gpu_gb:g} GB ({gpu_name})" if gpu_name else f"{gpu_gb:g} GB"
     print(f"peak memory per GPU (simulated): {total:.1f} GB of {target}")
-    if total <= gpu_gb:
-        print(f"verdict: fits, {gpu_gb - total:.1f} GB to spare")
-        prediction = dry_run_predictor(args, world_size)(args, model_config, work, names_the_run)
-        print_step(args, prediction, world_size, model_flops)
-        return 0
-    for change in changes_that_might_fit(args):
-        candidate = types.SimpleNamespace(**{**vars(args), **change})
-        peak = sum(simulate(candidate, model_config, world_size, n_params)[0].values())
-        if peak <= gpu_gb:
-            flags = " ".join(f"--{name}={value}" for name, value in change.items())
-            print(f"verdict: does not fit; fits with {flags} (simulated {peak:.2f} GB)")
-            return 1
-    tried = "full activation checkpointing, batch_size 1, cpu_offload"
-    print(f"verdict: does not fit, and no change tried fits ({tried}): use more GPUs or a smaller model")
-    return 1
+    if total > gpu_gb:
+        return nearest_fit(args, model_config, world_size, n_params, gpu_gb)
+    print(f"verdict: fits, {gpu_gb - total:.1f} GB to spare")
+    prediction = dry_run_predictor(args, world_size)(args, model_config, work, names_the_run)
+    if prediction is None:
+        print(f"not predicted: the step, for want of figures of --gpu={args.gpu} (a GPU of the datasheet, or "
+              f"--benchmark_report, gives them)")  # fmt: skip
+    else:
+        announce(args, prediction, world_size, model_flops, datasheet(args.gpu))
+    return 0
 
 
 def dry_run_predictor(args, world_size):
@@ -106,27 +99,25 @@ def dry_run_predictor(args, world_size):
     return predictor
 
 
-def print_step(args, prediction, world_size, model_flops):
-    """The dry run's predicted step, or why there is none."""
-    if prediction is None:
-        print(f"not predicted: the step, for want of figures of --gpu={args.gpu} (a GPU of the datasheet, or "
-              f"--benchmark_report, gives them)")  # fmt: skip
-    elif refused := refusal(prediction):
-        print(refused)
-    else:
-        print_prediction(args, prediction, world_size, model_flops, datasheet(args.gpu))
-
-
-def changes_that_might_fit(args):
-    """The changes to try, least costly first: full activation checkpointing, then smaller micro-batches
-    with more accumulation (the same global batch), then offloading the model state to host memory."""
+def nearest_fit(args, model_config, world_size, n_params, gpu_gb):
+    """The verdict of a run that does not fit (exit status 1), with the first change tried that fits, least
+    costly first: full activation checkpointing, then smaller micro-batches with more accumulation (the same
+    global batch), then offloading the model state to host memory."""
     change = {} if args.activation_checkpointing == "full" else {"activation_checkpointing": "full"}
-    if change:
-        yield dict(change)
+    changes = [dict(change)] if change else []
     batch = args.batch_size
     while batch > 1:
         batch //= 2
         change["batch_size"] = batch
-        yield dict(change)
+        changes.append(dict(change))
     if args.sharding != "ddp" and not args.cpu_offload:
-        yield dict(change, cpu_offload=True)
+        changes.append(dict(change, cpu_offload=True))
+    for change in changes:
+        candidate = types.SimpleNamespace(**{**vars(args), **change})
+        peak = sum(simulate(candidate, model_config, world_size, n_params)[0].values())
+        if peak <= gpu_gb:
+            print(f"verdict: does not fit; fits with {plan.flags(change)} (simulated {peak:.2f} GB)")
+            return 1
+    tried = "full activation checkpointing, batch_size 1, cpu_offload"
+    print(f"verdict: does not fit, and no change tried fits ({tried}): use more GPUs or a smaller model")
+    return 1

@@ -1,9 +1,9 @@
-"""The live step held against its prediction, at every log window after the first: the measured step over the
-predicted one, and the part that differs most, in the log line, the run's records (TensorBoard, W&B,
-metrics.jsonl) and the goodput ledger. A run whose steps took more than SLOW_RATIO times their prediction in
-two log windows in a row, and over its last JUDGED_S seconds of steps, warns in one line naming the part that
-differs most, once, and again only if the gap grows by GROWTH more. One slow window is not a slower run (a
-step the host held up, a profiled step at --log_every=1), nor are two short ones on a shared CPU."""
+"""The live step held against its prediction at every log window after the first: the measured step over the
+predicted one and the part that differs most, in the log line, the run's records and the goodput ledger. A
+run whose steps took more than SLOW_RATIO times their prediction in two log windows in a row, and over its
+last JUDGED_S seconds of steps, warns in one line naming that part, once, and again only if the gap grows by
+GROWTH more: one slow window is not a slower run (a step the host held up, a profiled step at
+--log_every=1), nor are two short ones on a shared CPU."""
 
 import torch
 import torch.distributed as dist
@@ -20,11 +20,11 @@ JUDGED_S = 5.0
 
 
 class LivePrediction:
-    """prediction: rank 0's Prediction of this run's step (run/prediction/step_time.py)."""
+    """prediction: rank 0's Prediction of this run's step."""
 
     def __init__(self, prediction):
-        self.prediction, self.windows, self.warned_ratio, self.recent = prediction, 0, None, []
-        self.slow_in_a_row = 0
+        self.prediction, self.recent = prediction, []
+        self.windows, self.slow_in_a_row, self.warned_ratio = 0, 0, 0.0
 
     def log_window(self, step_s, steps, rank_times):
         """The record's fields for a log window of `steps` timed steps of mean time step_s; rank_times: {rank
@@ -37,11 +37,8 @@ class LivePrediction:
         slowest, (compute_s, _) = max(rank_times.items(), key=lambda item: item[1][0])
         # The step waits for its slowest rank; where its layers run slower than predicted, so does the rest
         # of its compute, most of the step.
-        compute_excess = predicted * (compute_s / layer_forward - 1) if layer_forward else 0.0
-        differences = {
-            "compute": compute_excess,
-            "data loading": max(data_s for _, data_s in rank_times.values()),
-        }
+        differences = {"compute": predicted * (compute_s / layer_forward - 1) if layer_forward else 0.0,
+                       "data loading": max(data_s for _, data_s in rank_times.values())}  # fmt: skip
         differences["communication and the rest"] = step_s - predicted - sum(differences.values())
         largest = max(differences, key=lambda name: abs(differences[name]))
         ratio = step_s / predicted
@@ -51,15 +48,13 @@ class LivePrediction:
             fields["slowest_rank"] = slowest
         self.slow_in_a_row = self.slow_in_a_row + 1 if ratio > SLOW_RATIO else 0
         judged, seconds = self.judged(step_s * steps, predicted * steps)
-        if self.slow_in_a_row >= 2 and judged > max(SLOW_RATIO, (self.warned_ratio or 0) + GROWTH):
+        if self.slow_in_a_row >= 2 and judged > max(SLOW_RATIO, self.warned_ratio + GROWTH):
             self.warned_ratio = judged
             pace = f" (slowest: {slowest}, computing {compute_s / layer_forward:.2f}x its prediction)"
-            print(
-                f"warning: steps take {judged:.2f}x their predicted {predicted:.3g} s (the last "
-                f"{seconds:.3g} s of steps); the largest difference is {largest}, "
-                f"{differences[largest]:+.3g} s a step{pace if largest == 'compute' else ''}",
-                flush=True,
-            )
+            print(f"warning: steps take {judged:.2f}x their predicted {predicted:.3g} s (the last "
+                  f"{seconds:.3g} s of steps); the largest difference is {largest}, "
+                  f"{differences[largest]:+.3g} s a step{pace if largest == 'compute' else ''}",
+                  flush=True)  # fmt: skip
         return fields
 
     def judged(self, seconds, predicted_s):
@@ -75,40 +70,34 @@ class LivePrediction:
 
 
 def predict_own_step(args, model, model_config, device, log_folder, holds_for, model_flops):
-    """Before training sets model's weights, on every rank: this run's step measured by stepping model on
-    dummy batches (run/prediction/probe.py), or as an earlier launch of the run kept it
-    (run/prediction/step_time.py). Rank 0 prints it, keeps a prediction measured well, and returns its
-    LivePrediction; the other ranks None. A probe whose timed steps varied too much is refused in one line,
-    and training goes on without a prediction."""
+    """Before training sets model's weights, on every rank: this run's step as an earlier launch kept it
+    (step_time.py), else measured by stepping model on dummy batches (probe.py). Rank 0 prints it, keeps a
+    prediction measured well, and returns its LivePrediction; the other ranks, or where the probe's timed
+    steps varied too much (one line, and training goes on), None."""
     master, world_size = dist.get_rank() == 0, dist.get_world_size()
     kept = [step_time.kept(log_folder, holds_for) if master else None]
     dist.broadcast_object_list(kept, src=0)  # the probe is collective: every rank must know whether it runs
     if kept[0]:
         prediction, made = kept[0]
-        if not master:
-            return None
         where = f"kept in the run's log folder by its launch of {made}"
-        step_time.print_prediction(args, prediction, world_size, model_flops, peak_of(device), where)
-        return LivePrediction(prediction)
-    accumulation = args.global_batch_size // (args.batch_size * world_size)
-    source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
-    prediction = step_time.measured(probe.measure(args, model, model_config, device), accumulation, source)
+    else:
+        accumulation = args.global_batch_size // (args.batch_size * world_size)
+        source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
+        prediction = step_time.measured(
+            probe.measure(args, model, model_config, device), accumulation, source
+        )
+        where = ""
     if not master:
         return None
-    if refusal := step_time.refusal(prediction):
-        print(refusal, flush=True)
+    peak = datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    if not step_time.announce(args, prediction, world_size, model_flops, peak, where):
         return None
-    step_time.print_prediction(args, prediction, world_size, model_flops, peak_of(device))
-    step_time.keep(log_folder, prediction, holds_for)
+    if not kept[0]:
+        step_time.keep(log_folder, prediction, holds_for)
     return LivePrediction(prediction)
 
 
-def peak_of(device):
-    return datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-
-
 def holds_for(args, names_the_run, device, world_size, processes_per_node):
-    """What a kept prediction holds for: the values of the options that make the run what it is, and the
-    machine (step_time.this_machine)."""
+    """What a kept prediction holds for: the values of the options that name the run, and the machine."""
     machine = step_time.this_machine(device, world_size, processes_per_node)
     return {"options": {name: getattr(args, name) for name in names_the_run}, "machine": machine}

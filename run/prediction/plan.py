@@ -1,11 +1,10 @@
-"""The choice of how to run: every candidate way of running this model at this world size (sharding with each
-sensible shard-group size, activation checkpointing, the micro-batch at the same global batch), each simulated
-on fake tensors for its peak memory and, where it fits, predicted (run/prediction/dry_run.py). --plan lists
-those that fit, fastest first; --sharding=auto, --activation_checkpointing=auto and --batch_size=auto take the
-fastest. A training run makes its choice once, every rank probing each candidate that fits on the run's own
-devices (run/prediction/probe.py): rank 0 writes it to the run's log folder (CHOSEN), and every later launch
-of the run with the same options on the same machine takes it from there."""
+"""The choice of how to run: each candidate (a sharding and shard-group size, activation checkpointing, a
+micro-batch at the same global batch) simulated for its peak memory and, where it fits, predicted. --plan
+lists those that fit, fastest first; --sharding, --activation_checkpointing and --batch_size=auto take the
+fastest, which a training run probes on its own devices once: rank 0 keeps its choice (CHOSEN) for every
+later launch with the same options on the same machine."""
 
+import itertools
 import json
 import math
 import os
@@ -28,9 +27,8 @@ AUTO = "auto"
 CHOSEN = "plan.json"
 CHECKPOINTING = ("none", "op", "selective", "full")
 WIDTHS = (12, 14, 5, 9, 16, 8)  # the plan's columns
-# What decides a choice of the auto options, beside the machine: the model and its shape, the batch, the
-# sequence, and every option that changes a candidate's memory or time, the auto options included (those the
-# user fixed narrow the candidates). A choice holds only where each is as it was.
+# What decides a choice of the auto options beside the machine: every option that changes a candidate's
+# memory or time, the auto options included (those the user fixed narrow the candidates).
 DECIDES = ("model", "init_from", "n_embd", "n_layer", "n_head", "n_positions", "vocab_size", "data",
            "tokenizer", "seq_length", "global_batch_size", "mixed_precision", "compile", "cpu_offload",
            "sharding", "shard_group_size", "activation_checkpointing", "ac_every", "batch_size")  # fmt: skip
@@ -47,12 +45,9 @@ def shardings(args, world_size, ranks_per_node):
     the world and nests with a node (within one, or whole nodes), short of the whole world."""
     if args.sharding != AUTO:
         return [(args.sharding, args.shard_group_size)]
-    tried = [("full", None), ("grad_op", None), ("ddp", None)]
-    for size in divisors(world_size):
-        nests = ranks_per_node % size == 0 or size % ranks_per_node == 0
-        if 1 < size < world_size and nests:
-            tried.append(("hybrid", size))
-    return tried
+    sizes = [size for size in divisors(world_size) if 1 < size < world_size]
+    hybrid = [("hybrid", size) for size in sizes if ranks_per_node % size == 0 or size % ranks_per_node == 0]
+    return [("full", None), ("grad_op", None), ("ddp", None), *hybrid]
 
 
 def divisors(number):
@@ -62,29 +57,23 @@ def divisors(number):
     return small + [number // divisor for divisor in reversed(small) if divisor * divisor != number]
 
 
-def batch_sizes(args, world_size):
-    """Micro-batches to try at the same global batch: the powers of two that divide a rank's share of it."""
-    if args.batch_size != AUTO:
-        return [args.batch_size]
-    per_rank = args.global_batch_size // world_size
-    return [2**power for power in range(per_rank.bit_length()) if per_rank % 2**power == 0]
-
-
 def candidates(args, world_size, ranks_per_node):
-    checkpointing = (
-        CHECKPOINTING if args.activation_checkpointing == AUTO else [args.activation_checkpointing]
-    )
-    for sharding, group in shardings(args, world_size, ranks_per_node):
-        for mode in checkpointing:
-            for batch in batch_sizes(args, world_size):
-                yield {"sharding": sharding, "shard_group_size": group, "activation_checkpointing": mode,
-                       "batch_size": batch}  # fmt: skip
+    """Each candidate's change to args; a micro-batch left to auto is each power of two that divides a rank's
+    share of the same global batch."""
+    modes = CHECKPOINTING if args.activation_checkpointing == AUTO else [args.activation_checkpointing]
+    batches = [args.batch_size]
+    if args.batch_size == AUTO:
+        per_rank = args.global_batch_size // world_size
+        batches = [2**power for power in range(per_rank.bit_length()) if per_rank % 2**power == 0]
+    sharded = shardings(args, world_size, ranks_per_node)
+    for (sharding, group), mode, batch in itertools.product(sharded, modes, batches):
+        yield {"sharding": sharding, "shard_group_size": group, "activation_checkpointing": mode,
+               "batch_size": batch}  # fmt: skip
 
 
 def simulated(args, model_config, world_size, n_params, ranks_per_node, fused=None):
     """Each candidate simulated: (its change to args, args with it, peak GB, the step's Work)."""
-    # imported here: the fake-tensor simulation's imports cost every training start 0.6 s of CPU, and only the
-    # dry run and the auto options simulate
+    # imported here: the simulation's imports cost 0.6 s of CPU, which a training start need not pay
     from run.prediction.simulate import simulate
 
     for change in candidates(args, world_size, ranks_per_node):
@@ -95,7 +84,7 @@ def simulated(args, model_config, world_size, n_params, ranks_per_node, fused=No
 
 def plan(args, model_config, world_size, n_params, memory_gb, predictor, names_the_run):
     """Rows of (candidate, peak GB, Prediction or None where it does not fit), fastest first, then those that
-    do not fit. predictor: how the dry run predicts a candidate's step (run/prediction/dry_run.py)."""
+    do not fit. predictor: the dry run's (dry_run.py)."""
     rows = []
     ranks_per_node = min(args.gpus_per_node, world_size)
     for change, candidate, peak, work in simulated(args, model_config, world_size, n_params, ranks_per_node):
@@ -117,10 +106,7 @@ def print_plan(rows, args, world_size, memory_gb, started):
     header = ("sharding", "checkpointing", "batch", "step s", "tokens/s/device", "peak GB")
     print("  " + " ".join(f"{name:<{width}}" for name, width in zip(header, WIDTHS)))
     for change, peak, prediction in fitting:
-        group = change["shard_group_size"]
-        steps = (
-            (prediction.low_s, prediction.high_s) if prediction.basis == "roofline" else (prediction.step_s,)
-        )
+        group, steps = change["shard_group_size"], prediction.steps_s
         cells = (change["sharding"] + (f"/{group}" if group else ""), change["activation_checkpointing"],
                  change["batch_size"], "-".join(f"{step:.3g}" for step in steps),
                  "-".join(f"{tokens / step:,.0f}" for step in reversed(steps)), f"{peak:.2f}")  # fmt: skip
@@ -143,13 +129,11 @@ def has_auto(args):
 
 
 def settle(args, model_config, n_params, log_folder, device, taking):
-    """After the process group is up, on every rank: sets the auto options to the run's choice, the one an
-    earlier launch kept (CHOSEN in its log folder) where it was made for these options on this machine, else
-    the fastest of the candidates that fit, each probed on the run's devices; rank 0 keeps it. A choice sets
-    the options left to auto alone, each as the same option on the command line would: taking(chosen) is
-    args with chosen taken, read and checked as such (a ConfigError says why not). A damaged choice is one
-    warning, set aside, and made again."""
-    path, made_for, names = os.path.join(log_folder, CHOSEN), choice_for(args, device), auto_options(args)
+    """On every rank, the process group up: sets the options left to auto as an earlier launch chose them for
+    these options on this machine, else to the fastest candidate probed, which rank 0 keeps. taking(chosen):
+    args with chosen taken as the command line would take it (a ConfigError says why not)."""
+    path, made_for = os.path.join(log_folder, CHOSEN), choice_for(args, device)
+    names = [name for option, sets in SETS.items() if getattr(args, option) == AUTO for name in sets]
     master = dist.get_rank() == 0
     kept = kept_choice(path, made_for, names, taking) if master else None
     shared = [{name: getattr(kept[0], name) for name in names} if kept else None]
@@ -169,7 +153,7 @@ def settle(args, model_config, n_params, log_folder, device, taking):
             write_atomically(path, json.dumps({"for": made_for, "options": chosen, "made": made}))
     taken = taking(chosen)
     if master:
-        print(said.format(flags(taken, names)), flush=True)
+        print(said.format(flags({name: getattr(taken, name) for name in names})), flush=True)
     vars(args).update({name: getattr(taken, name) for name in names})
 
 
@@ -180,10 +164,8 @@ def fastest_measured(args, model_config, n_params, device):
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     fitting = [None]
     if dist.get_rank() == 0:
-        if device.type == "cuda":
-            memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
-        else:
-            memory_gb = available_memory_bytes() / 1e9 / local
+        memory_gb = (torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda"
+                     else available_memory_bytes() / 1e9 / local)  # fmt: skip
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as simulation:
             arguments = (args, model_config, world_size, n_params, memory_gb, local, device.type == "cuda")
             fitting[0] = simulation.submit(fitting_changes, *arguments).result()
@@ -204,28 +186,21 @@ def fitting_changes(args, model_config, world_size, n_params, memory_gb, ranks_p
     return [change for change, _, peak, _ in simulations if peak <= memory_gb]
 
 
-def flags(taken, names):
-    return " ".join(f"--{name}={getattr(taken, name)}" for name in names)
+def flags(options):
+    return " ".join(f"--{name}={value}" for name, value in options.items())
 
 
 def choice_for(args, device):
-    """What a choice of the auto options is made for: the options that decide it (DECIDES), and the machine,
-    as many processes on as many nodes."""
+    """What a choice of the auto options is made for: the options that decide it, and the machine."""
     world_size = dist.get_world_size()
     machine = this_machine(device, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
     return {**{name: getattr(args, name) for name in DECIDES}, **machine}
 
 
-def auto_options(args):
-    """The options a choice sets: those that auto sets for each option left to it."""
-    return [name for option, names in SETS.items() if getattr(args, option) == AUTO for name in names]
-
-
 def kept_choice(path, made_for, names, taking):
-    """(args with the choice kept at path taken, when it was made), if it was made for made_for; None where
-    there is none, or it was made for other options or another machine. A damaged one (not a regular file
-    of a choice's size and shape, options other than names, a value the command line refuses) is set aside
-    and None, with one warning."""
+    """(args with the choice kept at path taken, when it was made), if it was made for made_for, else None. A
+    damaged one (not a regular file of a choice's shape, options other than names, a value the command line
+    refuses) is one warning, set aside, and None."""
     try:
         record = read_json(path)
         if not isinstance(record, dict) or not all(isinstance(record.get(k), kind) for k, kind in FIELDS):

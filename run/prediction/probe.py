@@ -1,14 +1,9 @@
-"""The step measured where it will run: the run's own model, built, wrapped and compiled as training builds
-it, stepped on dummy batches with an optimizer of its own before training sets its weights, on the run's
-process group and devices, at its micro-batch, with its threads, every rank at once. A step of the run's
-many micro-steps is its probed step of at most five plus, for each micro-step more, what the middle ones of
-those five cost on average (not the first, which takes the gradients' memory anew, nor the last, which
-reduces them under DDP and steps). Nothing else is modelled: kernels as compiled, recomputation, FSDP's
-copies and hooks, the collectives at their real sizes on the real links, the optimizer and the host's own
-time are in the step.
-
-A probe says how well it measured: how far apart its timed steps lay (spread), and on a CPU how much of the
-machine's cores other work took meanwhile. A prediction is kept for later launches only if both were low."""
+"""The step measured where it will run: the run's own model, built and compiled as training builds it, stepped
+on dummy batches with an optimizer of its own before training sets its weights, every rank at once. Nothing
+is modelled: kernels, recomputation, FSDP, the collectives on the real links and the host's time are in the
+step. More micro-steps than the probe's (at most five) add each what its middle ones cost on average (the
+first takes the gradients' memory anew, the last reduces them under DDP and steps). A probe says how well it
+measured: how far apart its timed steps lay (spread), and on a CPU how much of the cores others took."""
 
 import copy
 import dataclasses
@@ -30,22 +25,20 @@ from run.model.presets import decoder_layers
 from run.model.step import build_optimizer, train_step
 from run.stops import StopRequests
 
-# A step of one micro-step first, which compiles and takes the optimizer's state; then timed steps of up to
+# A step of one micro-step first (it compiles and takes the optimizer's state), then timed steps of up to
 # MICRO_STEPS micro-steps until they add up to BUDGET_S (at least two, at most MAX_TIMED; a third where two
-# lie more than STEADY apart on any rank), their median counting. Steps on a quiet 2-core machine varied by
-# 10-30% from one to the next: two alone put gpt2's step 32% high in one run and 13% low in the next. A
-# micro-step is the mean of those between the first and the last of a step (the first takes the gradients'
-# memory anew, the last runs into the optimizer): four probes of the tiny model gave 8.3-9.9 s a step from
-# one micro-step, 8.8-9.7 s from three; its training steps took 8.6-9.3 s.
+# lie more than STEADY apart on any rank), their median counting: on a quiet 2-core machine steps varied by
+# 10-30% one to the next, and two alone put gpt2's step 32% high in one run, 13% low in the next. The middle
+# micro-steps' mean: four probes of the tiny model gave 8.3-9.9 s a step from one micro-step, 8.8-9.7 s from
+# three; its training steps took 8.6-9.3 s.
 MICRO_STEPS, BUDGET_S, MAX_TIMED, STEADY = 5, 3.0, 12, 0.05
 
 
 @dataclasses.dataclass
 class Measured:
     """A probe's figures, each the median rank's median over the timed steps: the step at `accumulation`
-    micro-steps, its middle micro-steps' mean (0 with fewer than three), its decoder layers' forward; how far
-    apart the timed steps lay (spread, the worst rank's); the share of the busiest host's cores other work
-    took while they ran (others, CPU only); the probe's wall time."""
+    micro-steps, its middle micro-steps' mean (0 with fewer than three), its decoder layers' forward; the
+    worst rank's spread; the busiest host's others (CPU only); the probe's wall time."""
 
     accumulation: int
     step_s: float
@@ -76,17 +69,17 @@ def between(start, end):
 
 
 def measure(args, model, model_config, device):
-    """Steps model (built for training by run/model/build.py; its weights are set here, and must be set afresh
-    after) on every rank of the process group at once: a Measured, the same on every rank."""
+    """Steps model (built for training; its weights are set here, and must be set afresh after) on every rank
+    of the process group at once: a Measured, the same on every rank."""
     world_size = dist.get_world_size()
     accumulation = min(MICRO_STEPS, args.global_batch_size // (args.batch_size * world_size))
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         inner = getattr(model, "module", model)
         init_weights(inner, model_config.initializer_range, model_config.num_hidden_layers, args.seed)
-        timings, usage = timed_steps(args, model, model_config, device, accumulation)
+        timings, used = timed_steps(args, model, model_config, device, accumulation)
     everyone = [None] * world_size
-    dist.all_gather_object(everyone, (timings, (socket.gethostname(), *usage)))
+    dist.all_gather_object(everyone, (timings, (socket.gethostname(), *used)))
     medians = [[statistics.median(column) for column in zip(*rank)] for rank, _ in everyone]
     step_s, micro_s, layer_forward_s = (statistics.median(column) for column in zip(*medians))
     spread = max(spread_of([step for step, _, _ in rank]) for rank, _ in everyone)
@@ -96,20 +89,17 @@ def measure(args, model, model_config, device):
 
 
 def timed_steps(args, model, model_config, device, accumulation):
-    """This rank's (step seconds, middle micro-steps' mean seconds, layer forward seconds) of each timed step,
-    and (its CPU seconds, its host's busy seconds, wall seconds) over them. The optimizer and the gradients
-    are freed before it returns."""
+    """This rank's (step, middle micro-steps' mean, layer forward) seconds of each timed step, and its usage()
+    over them. The optimizer and the gradients are freed before it returns."""
     optimizer = build_optimizer(model, args, fused=device.type == "cuda")
-    generator = torch.Generator().manual_seed(args.seed)
-    tokens = torch.randint(
-        0, model_config.vocab_size, (args.batch_size, args.seq_length), generator=generator
-    )
+    generator, shape = torch.Generator().manual_seed(args.seed), (args.batch_size, args.seq_length)
+    tokens = torch.randint(0, model_config.vocab_size, shape, generator=generator)
     batches = itertools.repeat((tokens.to(device), tokens.to(device)))
     layer_times = RankTimes(decoder_layers(model), device, args.compile)
     micro_starts = []
     hook = model.register_forward_pre_hook(lambda *_: micro_starts.append(mark(device)))
     train_step(model, batches, optimizer, 1, args.grad_clip, StopRequests())
-    usage = (own_cpu_seconds(), host_busy_seconds(), time.perf_counter())  # compiling's workers are done
+    before = usage()  # compiling's workers are done
 
     def timed():
         micro_starts.clear()
@@ -126,14 +116,14 @@ def timed_steps(args, model, model_config, device, accumulation):
     timings = []
     while more_steps([step for step, _, _ in timings], device):
         timings.append(timed())
-    cpu, busy, wall = own_cpu_seconds(), host_busy_seconds(), time.perf_counter()
+    after = usage()
     hook.remove()
     layer_times.remove()
     optimizer = None  # its state freed before training's is taken
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return timings, (cpu - usage[0], None if busy is None else busy - usage[1], wall - usage[2])
+    return timings, tuple(None if None in pair else pair[0] - pair[1] for pair in zip(after, before))
 
 
 def more_steps(steps, device):
@@ -145,30 +135,26 @@ def more_steps(steps, device):
     return bool(flag.item())
 
 
-def host_busy_seconds():
-    """CPU seconds all of this host's cores have spent busy since boot (/proc/stat), None where unknown."""
+def usage():
+    """(this process's CPU seconds, its host's busy CPU seconds since boot (/proc/stat; None where unknown),
+    wall seconds)."""
     try:
         with open("/proc/stat") as file:
             fields = [int(value) for value in file.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and waiting for I/O
+        busy = (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and waiting for I/O
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds():
-    times = os.times()
-    return times.user + times.system
+        busy = None
+    return sum(os.times()[:2]), busy, time.perf_counter()
 
 
 def others_share(everyone):
-    """The largest share of a host's cores that work other than this run's ranks took while they were timed:
-    everyone holds each rank's (host, its CPU seconds, the host's busy seconds, wall seconds)."""
-    per_host = {}
+    """The largest share of a host's cores that work other than this run's ranks took while they were timed,
+    from each rank's (host, *usage())."""
+    per_host = {}  # host: (busy, wall, its ranks' CPU) seconds
     for host, cpu, busy, wall in everyone:
         if busy is not None:
-            _, _, ranks = per_host.get(host, (busy, wall, 0.0))
-            per_host[host] = (busy, wall, ranks + cpu)
+            per_host[host] = (busy, wall, per_host.get(host, (0, 0, 0.0))[2] + cpu)
     cores = os.cpu_count() or 1
     return max(
         (max(0.0, busy - ranks) / (wall * cores) for busy, wall, ranks in per_host.values()), default=0.0
@@ -185,9 +171,7 @@ def spread_of(seconds):
 def build_and_measure(args, model_config, device, local_world_size):
     """Builds the run's model on the process group as training would and probes it; the model is freed."""
     mesh = device_mesh(args, device.type, dist.get_world_size(), local_world_size)
-    model = build_model(model_config, args, device, mesh)
-    found = measure(args, model, model_config, device)
-    del model
+    found = measure(args, build_model(model_config, args, device, mesh), model_config, device)
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -195,33 +179,33 @@ def build_and_measure(args, model_config, device, local_world_size):
 
 
 def on_this_cpu(options, model_config, world_size):
-    """A probe of world_size processes on this machine's CPU, as torchrun would start them (one thread each
-    where there are several): in this process for one, else in as many processes started here."""
+    """A probe of world_size processes on this machine's CPU, as torchrun would start them: in this process
+    for one, else in as many processes started here."""
     if world_size == 1:
         return probe_in(0, 1, dist.HashStore(), options, model_config)
     import torch.multiprocessing as mp
 
     results = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory() as folder:
-        store = os.path.join(folder, "store")
-        mp.start_processes(probe_process, (world_size, store, options, model_config, results), world_size,
-                           start_method="spawn")  # fmt: skip
+        arguments = (world_size, os.path.join(folder, "store"), options, model_config, results)
+        mp.start_processes(probe_in, arguments, world_size, start_method="spawn")
     return Measured(**results.get())
 
 
-def probe_process(rank, world_size, store, options, model_config, results):
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-    found = probe_in(rank, world_size, dist.FileStore(store, world_size), options, model_config)
-    if rank == 0:
-        results.put(dataclasses.asdict(found))
-
-
-def probe_in(rank, world_size, store, options, model_config):
+def probe_in(rank, world_size, store, options, model_config, results=None):
+    """One rank's probe; a process of several started here takes one thread, as torchrun starts it, and its
+    store is a file's path; the first puts its Measured in results."""
+    if results is not None:
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+        store = dist.FileStore(store, world_size)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, store=store)
     try:
-        return build_and_measure(copy.copy(options), model_config, torch.device("cpu"), world_size)
+        found = build_and_measure(copy.copy(options), model_config, torch.device("cpu"), world_size)
     finally:
         dist.destroy_process_group()
+    if results is not None and rank == 0:
+        results.put(dataclasses.asdict(found))
+    return found
 
 
 def benchmark_section(args, model_config, naming, device, local_world_size):

@@ -1,20 +1,19 @@
 """A roofline: the least time the step's work can take on a device's figures, for when nothing of this model
-was measured on it (another GPU, a datasheet, a benchmark report without this model's timings). The
-simulated step's FLOPs run at the device's sustained matmul rate, its collectives move their bytes at the
-bus bandwidth; a GPU runs collectives beside its compute, a CPU in turn with it. Memory-bound operations are
-left out: a compiled step fuses most of them, and what each costs alone would overstate the step. It is a
-bound, not a prediction: real steps take longer (attention and elementwise kernels, the host's time,
-exposed communication), by a factor measured on this project's runs (STEP_OVER_ROOFLINE), and the
-prediction is the bound times that factor's range."""
+was measured on it. The simulated step's FLOPs run at the device's sustained matmul rate, its collectives
+move their bytes at the bus bandwidth; a GPU runs collectives beside its compute, a CPU in turn with it.
+Memory-bound operations are left out: a compiled step fuses most of them, and costing each alone would
+overstate the step. Real steps take longer (attention and elementwise kernels, the host, exposed
+communication) by a factor measured on this project's runs: the prediction is the bound times its range."""
 
 import bisect
 import dataclasses
+import math
 
 import torch
 
 from common.datasheet import datasheet
 from common.nccl_tests import BUSBW_FACTORS
-from run.prediction.step_time import roofline as roofline_prediction
+from run.prediction.step_time import Prediction
 
 # Of a datasheet's dense peak, what a GPU sustains, as benchmark.py measured it on one H100 SXM: a bf16
 # matmul loop at 676 of 989.4 TFLOP/s (docs/PERFORMANCE.md).
@@ -31,15 +30,12 @@ STEP_OVER_ROOFLINE = {"cuda": (1.14, 1.42), "cpu": (1.2, 2.3)}
 @dataclasses.dataclass
 class Figures:
     """A device's figures: matmul FLOP/s by dtype, busbw by (collective, between nodes) -> [(message bytes,
-    bus bytes/s)] ascending (a sweep; none: ASSUMED_BUSBW_GBPS), and its kind."""
+    bus bytes/s)] ascending (a sweep; none: ASSUMED_BUSBW_GBPS), and its kind, "cuda" or "cpu"."""
 
     source: str
-    kind: str  # "cuda" or "cpu"
+    kind: str
     flops_per_s: dict
     sweeps: dict | None = None
-
-    def operation_seconds(self, operation):
-        return operation.flops / self.flops_per_s.get(operation.dtype, self.flops_per_s[torch.float32])
 
     def collective_seconds(self, name, size, group, nodes):
         if group <= 1:
@@ -62,21 +58,21 @@ def from_datasheet(gpu):
 
 
 def from_report(path, report):
-    """A benchmark report's figures: its GPUs' bf16 matmul rate, or its CPUs' all-core one shared by a node's
-    ranks (its slowest GPU or node counts); its busbw sweeps; None where it holds no matmul rate."""
+    """A benchmark report's figures: its slowest GPU's bf16 matmul rate, or its slowest node's all-core CPU
+    one shared by a node's ranks; its busbw sweeps; None where it holds no matmul rate."""
     gpus = [gpu for gpu in (report.get("gpu") or {}).values() if isinstance(gpu, dict) and "name" in gpu]
     if gpus:
         rate = least(gpus, "matmul_bf16_TFLOPS", 1e12)
         flops = {torch.bfloat16: rate, torch.float16: rate, torch.float32: rate and rate / 2}
     else:
-        per_node = report["world"]["ranks_per_node"]
-        rate = least(node_figures(report, "cpu"), "matmul_fp32_GFLOPS", 1e9 / per_node)
+        nodes = [node for key, node in (report.get("cpu") or {}).items()
+                 if key != "aggregate" and isinstance(node, dict)]  # fmt: skip
+        rate = least(nodes, "matmul_fp32_GFLOPS", 1e9 / report["world"]["ranks_per_node"])
         flops = {torch.float32: rate, torch.bfloat16: rate, torch.float16: rate}
     if not rate:
         return None
-    return Figures(
-        f"the figures of benchmark report {path}", "cuda" if gpus else "cpu", flops, sweeps(report)
-    )
+    kind = "cuda" if gpus else "cpu"
+    return Figures(f"the figures of benchmark report {path}", kind, flops, sweeps(report))
 
 
 def sweeps(report):
@@ -92,12 +88,6 @@ def sweeps(report):
     return found
 
 
-def node_figures(report, section):
-    """Each node's figures of a report's section; none where the section was skipped."""
-    figures = report.get(section) or {}
-    return [value for key, value in figures.items() if key != "aggregate" and isinstance(value, dict)]
-
-
 def least(members, key, scale):
     """The least of the members' figure, times scale; None where no member has it."""
     values = [member[key] for member in members if isinstance(member.get(key), (int, float))]
@@ -105,18 +95,21 @@ def least(members, key, scale):
 
 
 def roofline_seconds(work, figures):
-    """The least seconds the step's Work (run/prediction/simulate.py) takes on figures."""
+    """The least seconds the step's Work (simulate.py) takes on figures."""
     compute, communication = 0.0, 0.0
     for operations, times in ((work.micro_steps, work.times), (work.rest, 1.0)):
         for operation in operations:
             if operation.collective:
                 communication += times * figures.collective_seconds(*operation.collective)
             else:
-                compute += times * figures.operation_seconds(operation)
+                rate = figures.flops_per_s.get(operation.dtype, figures.flops_per_s[torch.float32])
+                compute += times * (operation.flops / rate)
     return max(compute, communication) if figures.kind == "cuda" else compute + communication
 
 
 def predicted(work, figures, accumulation):
-    """The roofline's Prediction of the step's Work on figures: its bound times the range real steps took."""
+    """The Prediction of the step's Work on figures: its bound times the range real steps took, centred on
+    their geometric mean."""
     bound = roofline_seconds(work, figures)
-    return roofline_prediction(bound, STEP_OVER_ROOFLINE[figures.kind], figures.source, accumulation)
+    low, high = (bound * over for over in STEP_OVER_ROOFLINE[figures.kind])
+    return Prediction(math.sqrt(low * high), low, high, "roofline", figures.source, accumulation)

@@ -1,16 +1,15 @@
 """The step on fake tensors: the real model, wrapping and training step at the target world size over a fake
-process group, with no device and no memory. It answers what cannot be measured here: the peak memory of a
-rank (FSDPMemTracker), and the work of every operation and collective one rank issues (Recorder), which the
-roofline costs. A compiled run is simulated compiled: each block goes through the compiler's own graph
-capture, decompositions and partition of what backward saves (inductor's), and its graphs then run on fake
-tensors one operation at a time, so the tracker sees what a compiled step keeps, not what eager keeps."""
+process group, with no device and no memory, for what cannot be measured here: a rank's peak memory
+(FSDPMemTracker) and the work of every operation and collective one rank issues (Recorder), which the
+roofline costs. A compiled block goes through inductor's graph capture, decompositions and partition of what
+backward saves, its graphs then run one operation at a time: the tracker sees what a compiled step keeps."""
 
-import contextlib
 import copy
 import dataclasses
 import functools
 import itertools
 import types
+import unittest.mock
 
 import torch
 import torch.distributed as dist
@@ -19,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from common.nccl_tests import SWEEP_NAMES
 from run.launch import device_mesh
 from run.model.build import build_model
 from run.model.step import build_optimizer, train_step
@@ -35,29 +35,19 @@ MEMORY_CATEGORIES = {
 }
 OFFLOADED = ("sharded parameters", "gradients", "optimizer state")
 
-DDP_ESTIMATE = (
-    "estimated for DDP: FSDP simulated at world size 1 (every rank holds the whole model, as DDP does), plus "
-    "DDP's gradient buckets, 4 bytes a parameter"
-)
-OFFLOAD_ESTIMATE = (
-    "estimated for cpu_offload: the simulation without offloading, less the sharded parameters, gradients "
-    "and optimizer state, which offloading keeps in host memory"
-)
-BLIND_SPOTS = (
-    "allocator fragmentation, NCCL buffers and the CUDA context (leave a few GB); CPU flash attention stands "
-    "in for the GPU's (both keep the same tensors); a compiled block's kernels are run one operation at a "
-    "time, so its temporaries inside a kernel are counted"
-)
-
-# The collectives FSDP and DTensor issue, by kind, as nccl-tests names them.
-COLLECTIVES = {"allgather": "all_gather", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
-               "allreduce": "all_reduce", "all_reduce": "all_reduce", "broadcast": "broadcast"}  # fmt: skip
+DDP_ESTIMATE = ("estimated for DDP: FSDP simulated at world size 1 (every rank holds the whole model, as DDP "
+                "does), plus DDP's gradient buckets, 4 bytes a parameter")  # fmt: skip
+OFFLOAD_ESTIMATE = ("estimated for cpu_offload: the simulation without offloading, less the sharded "
+                    "parameters, gradients and optimizer state, which offloading keeps in host "
+                    "memory")  # fmt: skip
+BLIND_SPOTS = ("allocator fragmentation, NCCL buffers and the CUDA context (leave a few GB); CPU flash "
+               "attention stands in for the GPU's (both keep the same tensors); a compiled block's kernels "
+               "are run one operation at a time, so its temporaries inside a kernel are counted")  # fmt: skip
 # Operations that compute nothing: allocations, the profiler's marks, waits (and every view: is_view).
 FREE = {"aten.empty.memory_format", "aten.empty_strided.default", "aten.empty_like.default",
         "prim.device.default", "aten.lift_fresh.default", "profiler._record_function_enter_new.default",
         "profiler._record_function_exit._RecordFunction", "_c10d_functional.wait_tensor.default"}  # fmt: skip
-# gloo's collectives on a CPU, and the argument whose size the buffer each takes has: an all-gather's output,
-# a reduce-scatter's input (Tracker).
+# gloo's collectives, and the argument whose size the buffer each takes has (Tracker)
 GLOO_BUFFERS = {"c10d._allgather_base_.default": 0, "c10d._reduce_scatter_base_.default": 1}
 # The experts' grouped matmul (M x K by experts x K x N), as transformers runs it: aten's, or in float32
 # on fake tensors (whose shape rule for aten's takes bf16 alone) its own operator of the same tensors.
@@ -71,20 +61,17 @@ CPU_ATTENTION = {
 
 
 class Tracker(FSDPMemTracker):
-    """FSDPMemTracker that sees a compiled block's graphs run (a dispatch mode that ignores the compiler's
-    internals is off while it compiles and on while its graphs run; else the compiled block runs eager), and,
-    for a CPU run (gloo), the buffers gloo's collectives take beside FSDP's: measured with the profiler's
-    memory events (tests/perf/bench_memory.py), an all-gather holds one of its output's size, a reduce-scatter
-    a copy of its input, until it completes on gloo's thread, which FSDP waits for by the next one of its
-    kind or the optimizer. Without them a 2-process CPU run's peak was simulated 3-9% under the real one."""
+    """FSDPMemTracker that sees a compiled block's graphs run (ignoring the compiler's internals, else the
+    block runs eager), and on a CPU run the buffers gloo's collectives take beside FSDP's: an all-gather one
+    of its output's size, a reduce-scatter a copy of its input, until the next one of its kind or the
+    optimizer (the profiler's memory events, tests/perf/bench_memory.py). Without them a 2-process CPU run's
+    peak was simulated 3-9% under the real one."""
 
     def __init__(self, model, optimizer, gloo):
         super().__init__(model, optimizer)
         self.gloo, self.buffers = gloo, {}
 
-    @classmethod
-    def ignore_compile_internals(cls):
-        return True
+    ignore_compile_internals = classmethod(lambda cls: True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.gloo and self._in_opt:
@@ -108,16 +95,14 @@ class Operation:
 
 
 class Recorder(TorchDispatchMode):
-    """Every operation one rank runs, below DTensor (which it lets decompose first into the local operations
-    and collectives a rank really runs), compiled graphs' operations included."""
+    """Every operation one rank runs, compiled graphs' included, below DTensor (which decomposes first into
+    the local operations and collectives a rank really runs)."""
 
     def __init__(self, ranks_per_node):
         super().__init__()
         self.operations, self.ranks_per_node = [], ranks_per_node
 
-    @classmethod
-    def ignore_compile_internals(cls):
-        return True
+    ignore_compile_internals = classmethod(lambda cls: True)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.distributed.tensor import DTensor
@@ -129,17 +114,16 @@ class Recorder(TorchDispatchMode):
         if str(func) in FREE or is_view(func):
             return out
         tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
-        floats = [t.dtype for t in tensors if t.dtype.is_floating_point]
+        dtype = next((tensor.dtype for tensor in tensors if tensor.dtype.is_floating_point), None)
         collective = self.collective(func, args, tensors)
-        backward = torch._C._current_graph_task_id() != -1
-        dtype = floats[0] if floats else None
-        self.operations.append(Operation(flops(func, args, kwargs, out), dtype, collective, backward))
+        in_backward = torch._C._current_graph_task_id() != -1
+        self.operations.append(Operation(flops(func, args, kwargs, out), dtype, collective, in_backward))
         return out
 
     def collective(self, func, args, tensors):
-        name = str(func)
-        kind = next((kind for word, kind in COLLECTIVES.items() if word in name), None)
-        if kind is None or not name.startswith(("c10d.", "_c10d_functional.")):
+        name = str(func).replace("_", "")  # c10d's say allgather, functional ones all_gather, and so on
+        kind = next((kind for kind in SWEEP_NAMES.values() if kind.replace("_", "") in name), None)
+        if kind is None or not name.startswith(("c10d.", "c10dfunctional.")):
             return None
         boxed = next((leaf for leaf in tree_leaves(args) if isinstance(leaf, torch.ScriptObject)), None)
         if boxed is not None:  # c10d's own operations take the group itself; functional ones its name
@@ -163,10 +147,9 @@ def is_view(func):
 
 def flops(func, args, kwargs, out):
     """FLOPs as torch's FLOP counter counts them."""
-    if str(func) in CPU_ATTENTION:
+    if str(func) in CPU_ATTENTION:  # forward: query, key and value; backward: the gradient first
         shapes = [tuple(leaf.shape) for leaf in args[:4] if isinstance(leaf, torch.Tensor)]
-        backward = "backward" in str(func)
-        return CPU_ATTENTION[str(func)](*(shapes[:4] if backward else shapes[:3]))
+        return CPU_ATTENTION[str(func)](*shapes[: 4 if "backward" in str(func) else 3])
     if str(func) in EXPERTS:  # the experts' matmuls, which the counter skips: backward does two
         return (2 if "backward" in str(func) else 1) * 2 * args[0].numel() * args[1].shape[-1]
     count = flop_registry.get(func._overloadpacket)
@@ -174,9 +157,9 @@ def flops(func, args, kwargs, out):
 
 
 def simulated_compiler(gm, example_inputs):
-    """What inductor does to a block before it generates kernels: its decompositions and its partition of the
-    forward and backward graphs (which decides what the forward saves); the graphs then run one operation at
-    a time, each value freed after its last use, so that they run on fake tensors."""
+    """Inductor's decompositions and partition of a block's forward and backward graphs (which decides what
+    the forward saves), the graphs then run one operation at a time on fake tensors, each value freed after
+    its last use."""
     from torch._functorch.aot_autograd import aot_module_simplified
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
@@ -210,25 +193,22 @@ def track_recomputed_randomness():
         run_with_rng_state.py_impl(mode)(run_with)
 
 
-@contextlib.contextmanager
 def experts_on_fake_tensors():
     """transformers' own grouped matmul for experts of any dtype but bf16 (aten's shape rule refuses them)."""
     from transformers.integrations import moe
 
-    original = moe._can_use_grouped_mm
-    moe._can_use_grouped_mm = lambda input, weight, offs: (
-        weight.dtype == torch.bfloat16 and original(input, weight, offs)
-    )
-    try:
-        yield
-    finally:
-        moe._can_use_grouped_mm = original
+    aten_takes = moe._can_use_grouped_mm
+
+    def bf16_alone(input, weight, offs):
+        return weight.dtype == torch.bfloat16 and aten_takes(input, weight, offs)
+
+    return unittest.mock.patch.object(moe, "_can_use_grouped_mm", bf16_alone)
 
 
 def simulate_step(args, model_config, world_size, ranks_per_node, fused, accumulation):
-    """One optimizer step of `accumulation` micro-steps (1 or 2: a third looks like the second), the second
-    step of two (the first allocates the optimizer state, compiles, and fake DTensors allocate extra once):
-    (peak bytes per rank by category, the step's operations). fused: AdamW's fused kernels (a GPU's)."""
+    """(peak bytes per rank by category, the operations) of an optimizer step of `accumulation` micro-steps (1
+    or 2: a third looks like the second), the second of two (the first allocates the optimizer state,
+    compiles, and fake DTensors allocate extra once). fused: AdamW's fused kernels (a GPU's)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -246,10 +226,8 @@ def simulate_step(args, model_config, world_size, ranks_per_node, fused, accumul
             tokens = torch.randint(0, model_config.vocab_size, (args.batch_size, args.seq_length))
             batches = itertools.repeat((tokens, tokens))
             train_step(model, batches, optimizer, 1, args.grad_clip, StopRequests())
-            tracker, recorder = (
-                Tracker(model, optimizer, gloo=not fused and world_size > 1),
-                Recorder(ranks_per_node),
-            )
+            tracker = Tracker(model, optimizer, gloo=not fused and world_size > 1)
+            recorder = Recorder(ranks_per_node)
             with tracker, recorder:
                 # The tracker takes a second forward of the root for a second iteration; a micro-step is not.
                 hook = model.register_forward_pre_hook(lambda *_: tracker.reset_mod_stats(), prepend=True)
@@ -266,10 +244,9 @@ def simulate_step(args, model_config, world_size, ranks_per_node, fused, accumul
 
 
 def simulate(args, model_config, world_size, n_params, ranks_per_node=None, fused=None):
-    """(peak per rank in GB by category, the step's Work) for the dry run's target
-    (a GPU of --gpus_per_node a node, with fused AdamW; or --gpu=cpu) unless ranks_per_node and fused say.
-    DDP's replicas cannot be faked (DDP reads its parameters' data), and CPU tensors on a CPU cannot be told
-    apart from GPU ones: both are estimated from a simulation (DDP_ESTIMATE, OFFLOAD_ESTIMATE)."""
+    """(peak per rank in GB by category, the step's Work) on the dry run's target (--gpus_per_node GPUs a
+    node with fused AdamW, or --gpu=cpu) unless ranks_per_node and fused say. DDP's replicas cannot be faked
+    (DDP reads its parameters' data), nor CPU tensors told apart from GPU ones: both are estimated."""
     ranks_per_node = ranks_per_node or min(args.gpus_per_node, world_size)
     fused = args.gpu != "cpu" if fused is None else fused
     accumulation = args.global_batch_size // (args.batch_size * world_size)
@@ -293,9 +270,8 @@ def simulate(args, model_config, world_size, n_params, ranks_per_node=None, fuse
 
 @dataclasses.dataclass
 class Work:
-    """What one rank does in a step: the operations of the micro-steps traced, which stand for all of them
-    times over (each later micro-step does what one of them did on average), then the rest: clipping, the
-    optimizer, DDP's all-reduce."""
+    """What one rank does in a step: the micro-steps traced, `times` over (each later micro-step does what one
+    of them did on average), then the rest: clipping, the optimizer, DDP's all-reduce."""
 
     micro_steps: list
     rest: list

@@ -1,8 +1,8 @@
-"""The predicted step, on one of three bases, each named where it is printed: measured on the run's own
-devices (a probe, run/prediction/probe.py), measured by a benchmark report's probe of this very configuration
-on its nodes, or a roofline from a report's or a datasheet's figures (run/prediction/roofline.py), printed as
-a range. A prediction measured well is kept in the run's log folder with the options and machine it holds for
-and a checksum, so that a later launch of the run (a restart, a requeue) prints it without probing again."""
+"""The predicted step, on one of three bases, each named where it is printed: a probe on the run's own devices
+(probe.py), a benchmark report's probe of this very configuration, or a roofline of a report's or a
+datasheet's figures (roofline.py), printed as a range. A prediction measured well is kept in the run's log
+folder with the options and machine it holds for and a checksum, so that a later launch of the run (a
+restart, a requeue) prints it without probing again."""
 
 import dataclasses
 import hashlib
@@ -18,9 +18,9 @@ from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomica
 from run.progress.curves import duration
 
 KEPT = "prediction.json"
-# A probe measured well when its timed steps lie within KEEP_SPREAD of their median and other work took at
-# most KEEP_OTHERS of the host's cores meanwhile; it is not worth printing past REFUSE_SPREAD (on the quiet
-# 2-core machine half the grid's probes, and the quick start's, lay more than 15% apart: docs/PERFORMANCE.md).
+# Kept where the timed steps lie within KEEP_SPREAD of their median and other work took at most KEEP_OTHERS
+# of the cores; refused past REFUSE_SPREAD (on the quiet 2-core machine half the grid's probes, and the quick
+# start's, lay more than 15% apart: docs/PERFORMANCE.md).
 KEEP_SPREAD, KEEP_OTHERS, REFUSE_SPREAD = 0.15, 0.10, 0.5
 PLAUSIBLE_STEP_S = (1e-5, 86400.0)  # a kept step outside this is not one a run measured
 NOT_PREDICTED = "data loading; the first step's compilation"
@@ -28,10 +28,9 @@ NOT_PREDICTED = "data loading; the first step's compilation"
 
 @dataclasses.dataclass
 class Prediction:
-    """step_s, within [low_s, high_s] (a roofline's range; a measured step is both); its basis (measured,
-    report or roofline) and source (the device or report, in words); the step's micro-steps, one micro-step
-    past the first (0: not measured), the decoder layers' forward per step (what the ranks time while they
-    train; 0: not measured); how the probe's steps varied and how much of the cores other work took."""
+    """step_s within [low_s, high_s] (a roofline's range; a measured step is all three); its basis (measured,
+    report or roofline) and source, in words; the step's micro-steps, one micro-step past the first and the
+    decoder layers' forward per step (0: not measured); the probe's spread, others' share and seconds."""
 
     step_s: float
     low_s: float
@@ -49,6 +48,11 @@ class Prediction:
     def measured_well(self):
         return self.basis != "roofline" and self.spread <= KEEP_SPREAD and self.others <= KEEP_OTHERS
 
+    @property
+    def steps_s(self):
+        """The step as printed: a roofline's range, or the step measured."""
+        return (self.low_s, self.high_s) if self.basis == "roofline" else (self.step_s,)
+
     def line(self):
         if self.basis == "roofline":
             return (f"predicted step: {self.low_s:.3g}-{self.high_s:.3g} s, a roofline from {self.source}, "
@@ -62,55 +66,48 @@ class Prediction:
 
 
 def this_machine(device, world_size, processes_per_node):
-    """The machine a kept prediction or choice holds for: this kind of device, as many processes on as many
-    nodes, this torch."""
+    """The machine a kept prediction or choice holds for."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores"
     return {"device": name, "world_size": world_size, "processes_per_node": processes_per_node,
             "torch": torch.__version__}  # fmt: skip
 
 
 def measured(probed, accumulation, source, basis="measured"):
-    """The Prediction of a probe (run/prediction/probe.py's Measured) at the run's accumulation."""
+    """The Prediction of a probe (probe.py's Measured) at the run's accumulation."""
     step = probed.step_at(accumulation)
     return Prediction(step, step, step, basis, source, accumulation, probed.micro_s,
                       probed.layer_forward_at(accumulation), probed.spread, probed.others,
                       probed.seconds)  # fmt: skip
 
 
-def print_prediction(args, prediction, world_size, model_flops, peak, where=""):
-    """The predicted step (and where it was kept, if it was), tokens/s per device, MFU over peak (the GPU
-    datasheet's figures, or None), the time to --max_steps."""
+def refusal(prediction):
+    """Why a probe's prediction, this machine's or a report's, is not worth printing, or None."""
+    if prediction.basis == "roofline" or prediction.spread <= REFUSE_SPREAD:
+        return None
+    busy = f", and other work took {prediction.others:.0%} of its cores" if prediction.others > 0.05 else ""
+    whose = "this machine's" if prediction.basis == "measured" else "the benchmark report's"
+    return f"not predicted: {whose} timings varied by {prediction.spread:.0%}{busy}"
+
+
+def announce(args, prediction, world_size, model_flops, peak, where=""):
+    """Prints the predicted step (and where it was kept), tokens/s per device, MFU over peak (the GPU
+    datasheet's figures, or None) and the time to --max_steps; or why it is refused. Whether it printed it."""
+    if refused := refusal(prediction):
+        print(refused, flush=True)
+        return False
     print(prediction.line() + (f" ({where})" if where else ""))
     tokens = args.global_batch_size * args.seq_length / world_size
-    steps = (prediction.high_s, prediction.low_s) if prediction.basis == "roofline" else (prediction.step_s,)
-    rates = "-".join(f"{tokens / step:,.0f}" for step in steps)
+    slowest_first = prediction.steps_s[::-1]
+    rates = "-".join(f"{tokens / step:,.0f}" for step in slowest_first)
     mfu = ""
     if peak:
-        mfu = ", MFU " + "-".join(
-            f"{model_flops * tokens / step / (peak['bf16'] * 1e12):.1%}" for step in steps
-        )
+        peak_flops = peak["bf16"] * 1e12
+        mfu = ", MFU " + "-".join(f"{model_flops * tokens / step / peak_flops:.1%}" for step in slowest_first)
     print(f"predicted: {rates} tokens/s per device{mfu}")
     if args.max_steps > 0:
         print(f"predicted: {args.max_steps} steps in {duration(args.max_steps * prediction.step_s)}")
-    print(f"not predicted: {NOT_PREDICTED}")
-
-
-def refusal(prediction):
-    """Why a probe's prediction, this machine's or a report's, is not worth printing (its timed steps varied
-    too much), or None."""
-    if prediction.basis != "roofline" and prediction.spread > REFUSE_SPREAD:
-        busy = (
-            f", and other work took {prediction.others:.0%} of its cores" if prediction.others > 0.05 else ""
-        )
-        whose = "this machine's" if prediction.basis == "measured" else "the benchmark report's"
-        return f"not predicted: {whose} timings varied by {prediction.spread:.0%}{busy}"
-    return None
-
-
-def roofline(bound_s, over, source, accumulation):
-    """The Prediction of a roofline bound_s seconds long, real steps taking over = (least, most) times it."""
-    low, high = bound_s * over[0], bound_s * over[1]
-    return Prediction(math.sqrt(low * high), low, high, "roofline", source, accumulation)
+    print(f"not predicted: {NOT_PREDICTED}", flush=True)
+    return True
 
 
 def checksum(record):
@@ -118,20 +115,16 @@ def checksum(record):
 
 
 def keep(log_folder, prediction, holds_for):
-    """Writes a prediction measured well into the run's log folder, with what it holds for (the options that
-    decide the step, the machine) and a checksum; says why where it is not kept. A failed write (a full disk)
-    is a warning, and the run goes on with it."""
+    """Writes a prediction measured well into the run's log folder, with what it holds for and a checksum;
+    says why where it is not kept. A failed write (a full disk) is a warning, and the run goes on."""
     path = os.path.join(log_folder, KEPT)
     if not prediction.measured_well:
         print(f"note: this prediction is not kept for later launches: it was measured while other work used "
               f"{prediction.others:.0%} of the cores, its steps {prediction.spread:.0%} apart",
               flush=True)  # fmt: skip
         return
-    record = {
-        "for": holds_for,
-        "made": time.strftime("%Y-%m-%d %H:%M"),
-        "prediction": dataclasses.asdict(prediction),
-    }
+    record = {"for": holds_for, "made": time.strftime("%Y-%m-%d %H:%M"),
+              "prediction": dataclasses.asdict(prediction)}  # fmt: skip
     try:
         write_atomically(path, json.dumps({**record, "checksum": checksum(record)}, indent=1))
     except OSError as error:
@@ -140,9 +133,8 @@ def keep(log_folder, prediction, holds_for):
 
 
 def kept(log_folder, holds_for):
-    """(the Prediction an earlier launch of this run kept, when) if it holds for these options and this
-    machine; None if there is none or it holds for others. A damaged one (unreadable, checksum or fields
-    wrong, not a regular file) is one warning, set aside, and the step is predicted anew."""
+    """(the Prediction an earlier launch of this run kept, when) if it holds for holds_for, else None. A
+    damaged one (unreadable, not a regular file, checksum or fields wrong) is one warning and set aside."""
     path = os.path.join(log_folder, KEPT)
     try:
         record = read_json(path)
