@@ -29,8 +29,10 @@ import time
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 
-# What a launch may set differently from the zygote: read by the scripts as they run, not at import
-FORKABLE_ENV = ("SLURM_", "SLURMD_NODENAME", "MASTER_PORT", "BENCHMARK_REPORT", "REHEARSE_BAD_NODES")
+# What a launch's environment may hold differently from the zygote's: read as the scripts run, not as they
+# import (pytest names the test it is in)
+FORKABLE_ENV = ("SLURM_", "SLURMD_NODENAME", "MASTER_PORT", "BENCHMARK_REPORT", "REHEARSE_BAD_NODES",
+                "PYTEST_CURRENT_TEST")  # fmt: skip
 
 _zygote = {}
 _zygote_lock = threading.Lock()
