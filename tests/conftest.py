@@ -238,6 +238,33 @@ def train():
     return run_training
 
 
+@pytest.fixture
+def job_signals(monkeypatch):
+    """SIGUSR1 and SIGTERM to this process go to the start of the job running now, as main() sets it up."""
+    from run.job import job
+
+    original = job.Job.__init__
+
+    def init(start, *args):
+        original(start, *args)
+        for number in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(number, start.on_signal)
+
+    monkeypatch.setattr(job.Job, "__init__", init)
+    previous = {number: signal.getsignal(number) for number in (signal.SIGUSR1, signal.SIGTERM)}
+    yield
+    for number, handler in previous.items():
+        signal.signal(number, handler)
+
+
+@pytest.fixture
+def reports_in_tmp(tmp_path, monkeypatch):
+    """The job's default report folder, logs/, is relative: the tests of the job run in tmp_path (each of
+    their files uses it for all its tests)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
+
+
 @pytest.fixture(scope="module")
 def small_disks(tmp_path_factory):
     """tmpfs folders of a given size in MiB, unmounted after the module; skipped where mounting is not

@@ -182,7 +182,7 @@ def time_limit_job(cluster, tmp_path_factory):
     # the batch script has the signal, like a long run would still be training. The job asks rank 0 to stop
     # by a file; train.py tells the other ranks, on both nodes. A lead of 60 s leaves a busy machine time to
     # stop and checkpoint, and stays under the share of the limit that the job takes for a mistake (a lead
-    # longer than the limit allows, tests/test_job.py).
+    # longer than the limit allows, tests/test_job_stops.py).
     tmp_path = tmp_path_factory.mktemp("time_limit")
     job_id = submit(
         "slurm_submit.sh",
