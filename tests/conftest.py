@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -76,6 +77,7 @@ LONGEST_FIRST = [
     "test_models.py",
     "test_data.py",
     "test_run_folder.py",
+    "test_non_finite.py",  # eight short launches, all but one of a single process
     "test_dry_run.py",
     "test_train.py",
     "test_benchmark.py",
@@ -218,6 +220,19 @@ def assert_same_model(loaded, expected):
 def assert_ran(result):
     """A launch exited 0; if not, the ends of its output say why."""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+def error_lines(stderr):
+    """train.py's own error lines, not torchrun's report of the failed worker."""
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def assert_rank_0_failed_first_with_status_2(result):
+    """Under torchrun, which itself exits 1: its report's first failure is rank 0's status 2, the rank that
+    says the error; the others left after it."""
+    root_cause = result.stderr.rsplit("Root Cause", 1)[-1]
+    first = re.search(r"rank\s*: 0 \(local_rank: 0\)\s*exitcode\s*: 2 ", root_cause)
+    assert result.returncode == 1 and first, result.stderr[-3000:]
 
 
 def run_training(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
