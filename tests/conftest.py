@@ -1,6 +1,7 @@
 import contextlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -76,6 +77,7 @@ LONGEST_FIRST = [
     "test_models.py",
     "test_data.py",
     "test_run_folder.py",
+    "test_non_finite.py",  # eight short launches, all but one of a single process
     "test_dry_run.py",
     "test_train.py",
     "test_benchmark.py",
@@ -220,6 +222,19 @@ def assert_ran(result):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
 
 
+def error_lines(stderr):
+    """train.py's own error lines, not torchrun's report of the failed worker."""
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def assert_rank_0_failed_first_with_status_2(result):
+    """Under torchrun, which itself exits 1: its report's first failure is rank 0's status 2, the rank that
+    says the error; the others left after it."""
+    root_cause = result.stderr.rsplit("Root Cause", 1)[-1]
+    first = re.search(r"rank\s*: 0 \(local_rank: 0\)\s*exitcode\s*: 2 ", root_cause)
+    assert result.returncode == 1 and first, result.stderr[-3000:]
+
+
 def run_training(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
     """train.py with its logs and checkpoints in tmp_path; by default it must succeed."""
     result = launch(
@@ -236,6 +251,33 @@ def run_training(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
 @pytest.fixture
 def train():
     return run_training
+
+
+@pytest.fixture
+def job_signals(monkeypatch):
+    """SIGUSR1 and SIGTERM to this process go to the start of the job running now, as main() sets it up."""
+    from run.job import job
+
+    original = job.Job.__init__
+
+    def init(start, *args):
+        original(start, *args)
+        for number in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(number, start.on_signal)
+
+    monkeypatch.setattr(job.Job, "__init__", init)
+    previous = {number: signal.getsignal(number) for number in (signal.SIGUSR1, signal.SIGTERM)}
+    yield
+    for number, handler in previous.items():
+        signal.signal(number, handler)
+
+
+@pytest.fixture
+def reports_in_tmp(tmp_path, monkeypatch):
+    """The job's default report folder, logs/, is relative: the tests of the job run in tmp_path (each of
+    their files uses it for all its tests)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "logs").mkdir()
 
 
 @pytest.fixture(scope="module")

@@ -468,47 +468,6 @@ def test_corpus_shorter_than_one_batch_is_one_clear_line(tmp_path, tokenizer_dir
     assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr, result.stderr
 
 
-def test_window_loader_shuffles_each_epoch_and_resumes_after_the_last_completed_step():
-    import numpy as np
-    import torch
-
-    from run.data import batches
-
-    cfg = SimpleNamespace(batch_size=2, seq_length=8, seed=1)
-    tokens = np.arange(125 * 8 + 1)  # 125 windows; window i starts with token 8·i
-
-    def loader():
-        return batches.WindowBatches(
-            lambda i: tokens[i * 8 : (i + 1) * 8 + 1],
-            125,
-            cfg,
-            world_size=1,
-            rank=0,
-            accumulation=2,
-            device=torch.device("cpu"),
-            prefetch=True,
-            shuffle=True,
-        )
-
-    run_through = loader()
-    inputs = [next(run_through)[0] for _ in range(130)]
-    first_epoch = [int(row[0]) // 8 for batch in inputs[:62] for row in batch]
-    # 31 steps of 4 fit in 125 windows
-    assert sorted(first_epoch) != first_epoch and len(set(first_epoch)) == 124
-    second_epoch = [int(row[0]) // 8 for batch in inputs[63:125] for row in batch]
-    assert second_epoch[:20] != first_epoch[:20]  # a new order each epoch
-
-    stopped = loader()
-    for _ in range(67):  # 33 whole steps and half of the next
-        next(stopped)
-    state = json.loads(json.dumps(stopped.state_dict()))
-    assert state == {"epoch": 1, "offset": 33 * 4 - 125}
-    resumed = loader()
-    resumed.load_state_dict(state)
-    assert torch.equal(next(resumed)[0], inputs[66])  # step 34 again from its first micro-batch
-    assert torch.equal(next(resumed)[0], inputs[67])
-
-
 def test_streaming_loader_resumes_on_exactly_the_next_batch(tmp_path, tokenizer_dir):
     import torch
     from datasets import load_dataset
@@ -537,16 +496,3 @@ def test_streaming_loader_resumes_on_exactly_the_next_batch(tmp_path, tokenizer_
         inputs, targets = next(resumed)
         assert torch.equal(inputs, expected[0]) and torch.equal(targets, expected[1])
     assert not torch.equal(taken[-1][0], following[0][0])
-
-
-def test_prefetched_items_end_where_a_finite_source_ends_and_its_error_is_raised_here():
-    from run.data import batches
-
-    assert list(batches.prefetched(iter(range(5)), depth=2)) == [0, 1, 2, 3, 4]
-
-    def broken():
-        yield 1
-        raise ValueError("the source broke")
-
-    with pytest.raises(ValueError, match="the source broke"):
-        list(batches.prefetched(broken(), depth=2))

@@ -17,8 +17,8 @@ import types
 
 import pytest
 import torch
-import yaml
 from conftest import ODD, SIMULATES, TINY, launch, make_odd, parse_options, read_metrics, validated
+from prediction_inputs import cpu_report, damaged, gpu_report, measured, probed, written
 
 import train as train_script
 from common.errors import ConfigError
@@ -30,42 +30,6 @@ from run.prediction.simulate import Operation, Work
 from run.report_figures import BadReport, read_report
 
 TINY_STEP = ["--model=tiny", "--compile=False", "--batch_size=4", "--global_batch_size=8", "--seq_length=64"]
-SIZES = [2**20 * 4**power for power in range(6)]  # 1 MiB to 1 GiB, as the benchmark's default sweep
-
-
-def sweep(busbw_GBps):
-    return [{"size_bytes": size, "busbw_GB/s": busbw_GBps, "time_us": 5.0} for size in SIZES]
-
-
-def gpu_report(matmul_TFLOPS=800.0, busbw_GBps=300.0):
-    """A one-node report of 8 H100s, as benchmark.py writes one, with these figures."""
-    gpus = {f"node0 (n1)/gpu{index}": {"name": "NVIDIA H100 80GB HBM3", "matmul_bf16_TFLOPS": matmul_TFLOPS,
-                                        "copy_GB/s": 2900.0} for index in range(8)}  # fmt: skip
-    collectives = {op: sweep(busbw_GBps) for op in ("all_gather", "reduce_scatter", "all_reduce")}
-    world = {"device": "cuda", "ranks": 8, "nodes": 1, "ranks_per_node": 8}
-    return {"world": world, "gpu": gpus, "nccl": collectives, "links": {"skipped": "one node"},
-            "nodes": {"node0 (n1)": {"hostname": "n1"}}}  # fmt: skip
-
-
-def cpu_report(busbw_GBps=1.0, host="h"):
-    """A report of one host of 2 cores running 2 ranks, as benchmark.py writes one on a CPU."""
-    return {"world": {"device": "cpu", "ranks": 2, "nodes": 1, "ranks_per_node": 2},
-            "nodes": {"node0 (h)": {"hostname": host}},
-            "cpu": {"node0 (h)": {"cores": 2, "matmul_fp32_GFLOPS": 50.0}},
-            "memory": {"node0 (h)": {"copy_all_cores_GB/s": 10.0}},
-            "nccl": {"all_reduce": sweep(busbw_GBps)}}  # fmt: skip
-
-
-def measured(step_s=1.0, micro_s=0.3, layer_forward_s=0.1, accumulation=3, spread=0.05, others=0.0):
-    """A probe's figures."""
-    return probe.Measured(accumulation, step_s, micro_s, layer_forward_s, spread, others, 1.0)
-
-
-def probed(step_s=0.3, options=None, world_size=2):
-    """A report's model section: a probe of a run's step (benchmark.py --train_args)."""
-    found = measured(step_s, micro_s=0.0, layer_forward_s=0.02, accumulation=1)
-    return {"options": options or {"model": "tiny"}, "world_size": world_size,
-            "measured": dataclasses.asdict(found)}  # fmt: skip
 
 
 # the probe's micro-steps (accumulation), the run's -> the step's seconds, its layers' forward seconds
@@ -315,19 +279,6 @@ def test_auto_options_are_refused_where_they_make_no_sense():
         validated(copy.copy(parse_options(["--model=tiny", "--dry_run", "--shard_group_size=3"])))
 
 
-def written(folder, name, report):
-    """report written as benchmark.py writes one, at folder/name."""
-    path = folder / name
-    path.write_text(yaml.safe_dump(report, sort_keys=False))
-    return path
-
-
-def damaged(report, change):
-    report = copy.deepcopy(report)
-    change(report)
-    return report
-
-
 FIGURES_OUT_OF_RANGE = {
     "a NaN matmul rate": (
         lambda r: r["gpu"]["node0 (n1)/gpu3"].update(matmul_bf16_TFLOPS=float("nan")),
@@ -455,10 +406,10 @@ def test_a_run_that_probes_its_step_trains_exactly_as_one_that_does_not(tmp_path
     of its own, its random numbers put back: the losses after it are those of a run without it, bit for bit.
     Two processes of ddp: a wrapper built before the weights are set."""
     runs = {}
-    for probed in (True, False):
-        folder = tmp_path / str(probed)
-        train(folder, *TINY, "--sharding=ddp", "--max_steps=4", f"--predict={probed}", "--run_name=r")
-        runs[probed] = [record["loss"] for record in read_metrics(folder)]
+    for predicting in (True, False):
+        folder = tmp_path / str(predicting)
+        train(folder, *TINY, "--sharding=ddp", "--max_steps=4", f"--predict={predicting}", "--run_name=r")
+        runs[predicting] = [record["loss"] for record in read_metrics(folder)]
     assert len(runs[True]) == 4 and runs[True] == runs[False], runs
 
 

@@ -9,8 +9,8 @@ import signal
 import pytest
 import yaml
 from conftest import launch
+from hand_reports import H100, cluster, statuses
 from matplotlib.image import imread
-from test_benchmark import H100, cluster, statuses
 
 import benchmark as benchmark_script
 from checks import history, picture, verdicts

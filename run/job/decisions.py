@@ -1,5 +1,6 @@
 """The job's decisions, as pure functions of what it knows: nothing here reads a file, calls SLURM or prints.
-The job (run/job/job.py) gathers the facts and carries the decision out; tests/test_job.py tables the cases.
+The job (run/job/job.py) gathers the facts and carries the decision out; tests/test_job_decisions.py tables
+the cases.
 
 - after_training: once a training launch has exited, whether it finished, was stopped (SIGTERM, SIGINT: the
   job ends), met the time limit (SIGUSR1: it requeues) or failed;

@@ -1,7 +1,7 @@
 """What the job takes from its environment: its knobs, and the counts SLURM sets. Each knob's default is
-stated once, on its export line in slurm_submit.sh, where users read and edit it (docs/SLURM.md lists them);
-KNOBS says what each one takes, and the job refuses one that is missing. tests/test_job.py fails where the
-script's knobs and KNOBS differ. Standard library only."""
+stated once, on its export line in slurm_submit.sh, where users read and edit it (docs/SLURM.md lists
+them); KNOBS says what each one takes, and the job refuses one that is missing. tests/test_job_knobs.py
+fails where the script's knobs and KNOBS differ. Standard library only."""
 
 import argparse
 

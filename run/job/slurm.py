@@ -1,7 +1,7 @@
 """The job's scheduler: every call the job makes to srun, scontrol and squeue goes through Slurm, and Local
 stands in for it outside a SLURM job (one node, this machine). Tests drive the job through a fake with the
-same methods (tests/test_job.py). Standard library only: a job run in a container starts this with the host's
-python3."""
+same methods (tests/fake_scheduler.py). Standard library only: a job run in a container starts this with
+the host's python3."""
 
 import os
 import re
