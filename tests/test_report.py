@@ -77,8 +77,9 @@ def test_a_node_slower_than_its_own_history_is_warned_and_the_job_goes_on(tmp_pa
     assert verdict == "warn"
     warns = [c for c in yaml.safe_load(open(report))["checks"] if c["check"].startswith("history ")]
     assert warns and all(c["status"] == "warn" and c["check"].startswith(f"history {node} ") for c in warns)
-    # three quarters slower, give or take what the runs differ by
-    assert all(re.fullmatch(r"[\d.]+, usually [\d.]+ \(-[4-9]\d%\)", c["value"]) for c in warns), warns
+    # slower by more than the 10% allowed: by how much, depends on what else ran beside each run (the
+    # all-core figures of two runs in the suite have lain 2.4 times apart)
+    assert all(re.fullmatch(r"[\d.]+, usually [\d.]+ \(-[1-9]\d%\)", c["value"]) for c in warns), warns
     assert f"warn    {warns[0]['check']}" in result.stdout
     assert len((tmp_path / history.HISTORY_FILE).read_text().splitlines()) == 4  # 3 seeded and this one
 

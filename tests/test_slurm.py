@@ -250,6 +250,7 @@ def test_a_training_option_error_stops_the_job_in_one_line_before_the_benchmarks
 
 # The requeued job starts without n3, or, when SLURM allocates it again, runs on the other two
 ON_N1_N2 = r"job {job_id} on n1 n2:|running on n1 n2 alone: this job left out n3 before"
+ON_N7_N9 = r"job {job_id} on n7 n9:|running on n7 alone: this job left out n8 before"
 
 
 def test_a_node_failing_the_benchmark_is_left_out_before_any_training_step(cluster, tmp_path):
@@ -389,7 +390,7 @@ def test_recovery_with_a_spare_restarts_in_place_then_swaps_the_spare_in(recover
 def test_recovery_without_a_spare_restarts_in_place_then_requeues_without_the_frozen_node(recoveries):
     """SPARE_NODES=0 in a job of 2 nodes, its partition of 3: a rank on n7 (the rendezvous' host) SIGKILLed,
     and training restarts in place (SKIP_BENCHMARK=1: with no check); n8 frozen, and the job requeues
-    without it, to resume on n7 and n9 with the uninterrupted run's losses."""
+    without it, to resume on the other nodes with the uninterrupted run's losses."""
     job_id, fields, output, hurt = recoveries["tight"].result()
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", output
     assert "restarting in place on n7 n8 (no check (SKIP_BENCHMARK=1)): restart 1 of at most" in output
@@ -397,7 +398,10 @@ def test_recovery_without_a_spare_restarts_in_place_then_requeues_without_the_fr
         r"a node fell silent: n8 \(rank \d sent no heartbeat for \d+ s\), and the launch goes", output
     )
     first, requeued = output.split(f"requeueing job {job_id}")
-    assert f"job {job_id} on n7 n9:" in requeued and "world_size=2" in requeued, output
+    # SLURM may refuse the requeued job's ExcNodeList while the job completes and start it on n8 again: the
+    # job's comment then keeps the run off n8, on n7 alone (its losses equal the reference's all the same)
+    assert re.search(ON_N7_N9.format(job_id=job_id), requeued), output
+    assert ("world_size=1" if "alone" in requeued else "world_size=2") in requeued, output
     print(f"tight: from the kill, then the freeze, to the next step: {hurt.to_next_step()} s")
     assert hurt.to_next_step()[0] <= 120, (hurt.to_next_step(), output)
     ledger = assert_recovered(hurt.log_dir, recoveries["reference"].result(), output)
