@@ -151,6 +151,8 @@ def serve(address):
                 watch(connection)
             connection.close()
     os.unlink(address)
+    os.rmdir(os.path.dirname(address))
+    os._exit(0)  # nothing to tear down
 
 
 def watch(connection):
@@ -178,11 +180,10 @@ def run_as_main(request, out_fd, err_fd):
     its exit status, an uncaught exception and the exit handlers are the interpreter's own."""
     import runpy
 
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    os.dup2(out_fd, 1)
-    os.dup2(err_fd, 2)
-    os.close(out_fd)
-    os.close(err_fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd, std in ((null, 0), (out_fd, 1), (err_fd, 2)):
+        os.dup2(fd, std)
+        os.close(fd)
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)))
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)))
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(
@@ -198,5 +199,10 @@ def run_as_main(request, out_fd, err_fd):
 
 
 if __name__ == "__main__":
+    import resource
+
+    # the test that started the zygote may have lowered its own address-space limit (conftest's deadline)
+    hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
     preload()
     serve(sys.argv[1])
