@@ -134,9 +134,9 @@ def torchrun_command(script, args, nproc, torchrun_args=()):
 
 
 def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
-    """script with nproc processes under torchrun, or as a plain process when nproc is 0: a fork of this
-    process where it can be one (tests/forked.py), else a new interpreter, as every launch is with
-    REAL_PROCESSES=1."""
+    """script with nproc processes under torchrun, or as a plain process when nproc is 0: forked from a
+    zygote that has imported the scripts where it can be (tests/forked.py), else a new interpreter, as
+    every launch is with REAL_PROCESSES=1."""
     full_env = {**os.environ, **(env or {})}
     if not nproc and not REAL_PROCESSES and forked.forkable(full_env):
         return forked.run_script(REPO / script, args, cwd, full_env, timeout)

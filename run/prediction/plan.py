@@ -164,8 +164,10 @@ def fastest_measured(args, model_config, n_params, device):
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     fitting = [None]
     if dist.get_rank() == 0:
-        memory_gb = (torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda"
-                     else available_memory_bytes() / 1e9 / local)  # fmt: skip
+        if device.type == "cuda":
+            memory_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+        else:
+            memory_gb = available_memory_bytes() / 1e9 / local
         with ProcessPoolExecutor(1, mp_context=get_context("spawn")) as simulation:
             arguments = (args, model_config, world_size, n_params, memory_gb, local, device.type == "cuda")
             fitting[0] = simulation.submit(fitting_changes, *arguments).result()
