@@ -134,13 +134,16 @@ def torchrun_command(script, args, nproc, torchrun_args=()):
 
 
 def launch(script, args, nproc=2, cwd=REPO, timeout=300, env=None):
-    """script with nproc processes under torchrun, or as a plain process when nproc is 0: forked from a
-    zygote that has imported the scripts where it can be (tests/forked.py), else a new interpreter, as
-    every launch is with REAL_PROCESSES=1."""
+    """script with nproc processes under torchrun, or as a plain process when nproc is 0: torchrun and its
+    workers, or the process, forked from a zygote that has imported the scripts where it can be
+    (tests/forked.py), else new interpreters, as every launch is with REAL_PROCESSES=1."""
     full_env = {**os.environ, **(env or {})}
-    if not nproc and not REAL_PROCESSES and forked.forkable(full_env):
-        return forked.run_script(REPO / script, args, cwd, full_env, timeout)
     command = torchrun_command(script, args, nproc)
+    if not REAL_PROCESSES:
+        full_env = forked.with_forked_workers(full_env, nproc) if nproc else full_env
+        script_and_args = command if nproc else command[1:]  # torchrun's script, or the Python's
+        if forked.zygote_for(full_env):
+            return forked.run_script(script_and_args[0], script_and_args[1:], cwd, full_env, timeout)
     return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
