@@ -171,15 +171,17 @@ def worker_pids(torchrun_pid):
 
 
 def run_until(args, tmp, step, signal_number, extra_torchrun=(), env=None):
-    """Starts a 2-process run and sends signal_number to local rank 1 once `step` is logged."""
+    """Starts a 2-process run and sends signal_number to local rank 1 once `step` is logged: to the worker's
+    stand-in where the workers are forks (tests/forked.py), which passes it on, or is killed with it."""
     command = torchrun_command("train.py", [f"--log_dir={tmp}", *args], 2, list(extra_torchrun))
+    full_env = {**os.environ, **(env or {})}
     process = subprocess.Popen(
         command,
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, **(env or {})},
+        env=full_env if REAL_PROCESSES else forked.with_forked_workers(full_env, 2),
     )
     output = []
     for line in process.stdout:

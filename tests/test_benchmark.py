@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import launch
 
 import benchmark
 from checks import collectives, timing, world
@@ -24,10 +25,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
-def run(command, cwd, timeout=180):
-    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
 def read_report(report_dir: Path) -> dict:
     (cluster,) = [p for p in report_dir.glob("benchmark_*.yaml") if "_rank" not in p.name]
     return yaml.safe_load(cluster.read_text())
@@ -36,18 +33,9 @@ def read_report(report_dir: Path) -> dict:
 def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
     storage, reports = tmp_path / "storage", tmp_path / "logs"
     storage.mkdir()
-    result = run(
-        [
-            str(TORCHRUN),
-            "--standalone",
-            "--nproc_per_node=2",
-            str(ROOT / "benchmark.py"),
-            "--quick",
-            "--storage_path",
-            str(storage),
-            "--report_dir",
-            str(reports),
-        ],
+    result = launch(
+        "benchmark.py",
+        ["--quick", "--storage_path", str(storage), "--report_dir", str(reports)],
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -238,19 +226,22 @@ def test_datasheet_matches_the_most_specific_name():
 
 
 def test_importing_benchmark_starts_nothing():
-    result = run(
+    result = subprocess.run(  # a new interpreter, which has imported nothing before
         [
             sys.executable,
             "-c",
             "import sys, benchmark, torch.distributed as d; print(d.is_initialized(), 'yaml' in sys.modules)",
         ],
         cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert result.stdout.split() == ["False", "True"] and result.stderr == ""
 
 
 def test_unknown_section_is_one_line_and_exit_2(tmp_path):
-    result = run([sys.executable, str(ROOT / "benchmark.py"), "--skip", "storge"], cwd=tmp_path)
+    result = launch("benchmark.py", ["--skip", "storge"], nproc=0, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr == (
         "error: --skip: unknown section 'storge' (did you mean 'storage'?); "
@@ -444,15 +435,19 @@ def test_a_failing_node_is_recorded_before_any_rank_exits(tmp_path):
     wrapper = tmp_path / "slow_picture.py"
     wrapper.write_text(SLOW_PICTURE.format(repo=str(ROOT), script=str(ROOT / "benchmark.py")))
     suspects, outcome = tmp_path / "suspects", tmp_path / "outcome.json"
-    result = subprocess.run(
-        [str(TORCHRUN), "--standalone", "--nproc_per_node=2", str(wrapper), "--quick", "--only=cpu",
-         f"--report_dir={tmp_path}", f"--suspects_folder={suspects}", f"--outcome={outcome}"],
+    result = launch(
+        str(wrapper),
+        [
+            "--quick",
+            "--only=cpu",
+            f"--report_dir={tmp_path}",
+            f"--suspects_folder={suspects}",
+            f"--outcome={outcome}",
+        ],
         cwd=tmp_path,
-        env={**os.environ, "SLURMD_NODENAME": "n7", "REHEARSE_BAD_NODES": "n7"},
-        capture_output=True,
-        text=True,
+        env={"SLURMD_NODENAME": "n7", "REHEARSE_BAD_NODES": "n7"},
         timeout=180,
-    )  # fmt: skip
+    )
     assert result.returncode != 0
     named = json.loads((suspects / "benchmark.json").read_text())["nodes"]
     assert list(named) == ["n7"] and "REHEARSE_BAD_NODES" in named["n7"], named
