@@ -69,6 +69,10 @@ class QuickStart:
         """The job's exit status and output, once it has exited; no process of its run is left."""
         try:
             status = self.job.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"the job did not end in {timeout} s; {self.state()}\n{''.join(self.lines)[-3000:]}"
+            ) from None
         finally:
             left = self.processes()
             for pid in left:
@@ -76,6 +80,19 @@ class QuickStart:
         self.reader.join(timeout=60)
         assert not left, f"processes left running: {left}\n{''.join(self.lines)[-3000:]}"
         return status, "".join(self.lines)
+
+    def state(self):
+        """What the job's process was doing: its signals (pending, blocked, ignored, caught) and where each of
+        its threads waited in the kernel."""
+        proc = Path(f"/proc/{self.job.pid}")
+        with contextlib.suppress(OSError):
+            signals = [
+                line for line in (proc / "status").read_text().splitlines() if line.startswith(("Sig", "Shd"))
+            ]
+            waits = [(task / "wchan").read_text() for task in sorted((proc / "task").iterdir())]
+            signals = " ".join(" ".join(line.split()) for line in signals)
+            return f"job {self.job.pid}: {signals}; its threads wait in {waits}"
+        return f"job {self.job.pid}: gone"
 
     def processes(self):
         """The processes of this run still there: the job, torchrun, the workers."""
