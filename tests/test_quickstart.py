@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -34,13 +35,26 @@ def test_quick_start_trains_tiny_on_two_cpu_processes_and_the_loss_falls(tmp_pat
     assert re.search(r'"benchmark_s": [1-9]', ledger), ledger
 
 
+# A command as a terminal starts it: SIGINT, SIGQUIT and SIGHUP at their defaults. The test process may have
+# inherited them ignored (a non-interactive shell starts a background command with SIGINT and SIGQUIT
+# ignored), and the job leaves a stop signal ignored that it started with ignored, as nohup's user expects.
+AS_FROM_A_TERMINAL = [
+    sys.executable,
+    "-c",
+    "import os, signal, sys\n"
+    "for number in (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):\n"
+    "    signal.signal(number, signal.SIG_DFL)\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])",
+]
+
+
 class QuickStart:
     """bash slurm_submit.sh as a user starts it from a terminal: in a process group of its own, which the
     terminal's Ctrl-C goes to. No benchmark, and steps enough that only a stop ends it."""
 
     def __init__(self, tmp_path, *args):
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {"SKIP_BENCHMARK": "1"}
-        command = ["bash", "slurm_submit.sh", f"--log_dir={tmp_path}/logs",
+        command = [*AS_FROM_A_TERMINAL, "bash", "slurm_submit.sh", f"--log_dir={tmp_path}/logs",
                    f"--checkpoint_dir={tmp_path}/ckpt", "--max_steps=100000", "--log_every=1",
                    "--predict=False", *args]  # fmt: skip
         self.job = subprocess.Popen(
