@@ -67,7 +67,7 @@ def zygote_for(env):
             started_with = _zygotes[name]["env"] if name in _zygotes else {**os.environ, **extra}
             if forkable(env, started_with):
                 if name not in _zygotes:
-                    _zygotes[name] = start_zygote(started_with)
+                    _zygotes[name] = start_zygote(name, started_with)
                 return _zygotes[name]["address"]
     return None
 
@@ -80,8 +80,8 @@ def folder():
     return _zygotes["folder"]
 
 
-def start_zygote(env):
-    address = os.path.join(folder(), f"socket-{len(_zygotes)}")
+def start_zygote(name, env):
+    address = os.path.join(folder(), f"{name}.socket")
     process = subprocess.Popen(
         [sys.executable, __file__, address], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env
     )
@@ -170,7 +170,10 @@ def worker(argv):
     worker_pid, pending = [], []
 
     def pass_on(signal_number, _):
-        (os.kill(worker_pid[0], signal_number) if worker_pid else pending.append(signal_number))
+        if worker_pid:
+            os.kill(worker_pid[0], signal_number)
+        else:  # the worker is not forked yet
+            pending.append(signal_number)
 
     for signal_number in PASSED_ON:
         signal.signal(signal_number, pass_on)
