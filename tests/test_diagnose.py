@@ -288,13 +288,17 @@ def test_a_throttled_rank_makes_the_step_slower_than_predicted_and_the_warning_n
     records = read_metrics(slow_then_stopped.folder)
     assert all(record["vs_predicted"] > live.SLOW_RATIO for record in records[1:])
     assert "vs_predicted" not in records[0]
+    # a prediction its run's steps contradict is not one for the next launch: dropped, once
+    assert log.count("is no longer kept for later launches") == 1, log[-3000:]
+    assert not (slow_then_stopped.run / step_time.KEPT).exists()
 
 
 def test_a_relaunch_of_the_run_reads_the_prediction_its_first_launch_kept(slow_then_stopped, tmp_path):
     """A restart does not probe the step again (it would cost a recovery seconds to minutes): resumed from
-    the hung run's last checkpoint, in a copy of its folder, it prints the prediction kept in the run's log
-    folder, as the first launch did."""
+    the hung run's last checkpoint, in a copy of its folder with its prediction kept again, it prints the
+    prediction kept in the run's log folder, as the first launch did."""
     shutil.copytree(slow_then_stopped.folder, tmp_path, dirs_exist_ok=True)
+    keep_a_prediction(tmp_path)  # the slow run dropped the one it was given: its steps contradicted it
     result = launch("train.py", slow_run(tmp_path, max_steps=7))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     kept = r"^(predicted step: .*) \(kept in the run's log folder by its launch of [\d-]+ [\d:]+\)$"

@@ -8,6 +8,7 @@ holds a training run's live step against its prediction.)"""
 import copy
 import dataclasses
 import json
+import math
 import os
 import re
 import socket
@@ -459,3 +460,25 @@ def test_the_live_prediction_warns_of_a_slower_run_only_when_two_windows_in_a_ro
         if "warning: steps take" in capsys.readouterr().out:
             warned.append(index)
     assert warned == warned_at
+
+
+@pytest.mark.parametrize("ratio, dropped", [(1.0, False), (1.15, False), (0.64, True), (1.6, True)])
+def test_a_kept_prediction_the_runs_own_steps_contradict_is_dropped_for_the_next_launch(
+    ratio, dropped, tmp_path, capsys
+):
+    """Steps at `ratio` times the kept prediction, over 5 s and two windows: it stays kept, or is removed
+    with one note, once (a host that ran the probe's cores slower or faster than the run's)."""
+    from run.prediction.live import LivePrediction
+
+    holds_for = {"options": {"model": "tiny"}, "machine": {"device": "CPU, 2 cores"}}
+    prediction = step_time.measured(measured(), 4, "here")
+    step_time.keep(tmp_path, prediction, holds_for)
+    live = LivePrediction(prediction, str(tmp_path / step_time.KEPT))
+    steps = math.ceil(3 / prediction.step_s)
+    live.log_window(5 * prediction.step_s, steps, {"host:0": (1.0, 0.0)})  # the first window: its warm-up
+    compute_s = ratio * prediction.layer_forward_s
+    for _ in range(4):
+        live.log_window(ratio * prediction.step_s, steps, {"host:0": (compute_s, 0.0)})
+    out = capsys.readouterr().out
+    assert (step_time.kept(tmp_path, holds_for) is None) == dropped
+    assert out.count("is no longer kept for later launches") == dropped, out

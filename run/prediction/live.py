@@ -3,7 +3,10 @@ predicted one and the part that differs most, in the log line, the run's records
 run whose steps took more than SLOW_RATIO times their prediction in two log windows in a row, and over its
 last JUDGED_S seconds of steps, warns in one line naming that part, once, and again only if the gap grows by
 GROWTH more: one slow window is not a slower run (a step the host held up, a profiled step at
---log_every=1), nor are two short ones on a shared CPU."""
+--log_every=1), nor are two short ones on a shared CPU. A kept prediction that the run's steps, judged so,
+put outside SLOW_RATIO either way is dropped, for the next launch to measure again."""
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -20,10 +23,10 @@ JUDGED_S = 5.0
 
 
 class LivePrediction:
-    """prediction: rank 0's Prediction of this run's step."""
+    """prediction: rank 0's Prediction of this run's step; kept_path: where it is kept for later launches."""
 
-    def __init__(self, prediction):
-        self.prediction, self.recent = prediction, []
+    def __init__(self, prediction, kept_path=None):
+        self.prediction, self.kept_path, self.recent = prediction, kept_path, []
         self.windows, self.slow_in_a_row, self.warned_ratio = 0, 0, 0.0
 
     def log_window(self, step_s, steps, rank_times):
@@ -55,7 +58,22 @@ class LivePrediction:
                   f"{seconds:.3g} s of steps); the largest difference is {largest}, "
                   f"{differences[largest]:+.3g} s a step{pace if largest == 'compute' else ''}",
                   flush=True)  # fmt: skip
+        if judged and not 1 / SLOW_RATIO <= judged <= SLOW_RATIO:
+            self.drop_kept(judged)
         return fields
+
+    def drop_kept(self, judged):
+        """A probe in a spell when the host ran this machine's cores slower or faster than it runs them now,
+        which nothing inside the machine sees (on the 2-core test machine, a matmul loop on both cores ran
+        at 56% of its speed for 17 s, then at full speed), must not predict the next launch's step."""
+        if self.kept_path and os.path.exists(self.kept_path):
+            os.remove(self.kept_path)
+            print(
+                f"note: steps take {judged:.2f}x their prediction; it is no longer kept for later launches "
+                f"({self.kept_path} removed): the next launch measures the step again",
+                flush=True,
+            )
+        self.kept_path = None
 
     def judged(self, seconds, predicted_s):
         """(measured over predicted, seconds) of the fewest latest windows, this one's included, that hold
@@ -94,7 +112,7 @@ def predict_own_step(args, model, model_config, device, log_folder, holds_for, m
         return None
     if not kept[0]:
         step_time.keep(log_folder, prediction, holds_for)
-    return LivePrediction(prediction)
+    return LivePrediction(prediction, os.path.join(log_folder, step_time.KEPT))
 
 
 def holds_for(args, names_the_run, device, world_size, processes_per_node):
