@@ -112,7 +112,6 @@ def test_compiled_block_has_no_graph_break_and_compiles_once(preset, monkeypatch
     from torch._dynamo.utils import counters
 
     monkeypatch.chdir(tmp_path)  # validate creates the log and checkpoint folders
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     cfg = parse_options(
         [f"--model={preset}", "--n_layer=10", "--mixed_precision=bf16", "--seq_length=32", "--batch_size=2"]
     )
@@ -122,7 +121,7 @@ def test_compiled_block_has_no_graph_break_and_compiles_once(preset, monkeypatch
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         mesh = run_launch.device_mesh(cfg, "cpu", 1, 1)
-        model = build.build_model(config, cfg, torch.device("cpu"), mesh)
+        model = build.build_model(config, cfg, torch.device("cpu"), mesh, backend="aot_eager")
         build.init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
         stragglers.RankTimes(presets.decoder_layers(model), torch.device("cpu"), compiled=True)
         optimizer = step.build_optimizer(model, cfg, fused=False)
