@@ -30,7 +30,11 @@ def read_report(report_dir: Path) -> dict:
     return yaml.safe_load(cluster.read_text())
 
 
-def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory):
+    """`torchrun --nproc_per_node=2 benchmark.py --quick` on this CPU, as a user runs it: (its result, its
+    report, its storage folder, its report folder)."""
+    tmp_path = tmp_path_factory.mktemp("two_process")
     storage, reports = tmp_path / "storage", tmp_path / "logs"
     storage.mkdir()
     result = launch(
@@ -39,7 +43,11 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
         cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = read_report(reports)
+    return result, read_report(reports), storage, reports
+
+
+def test_two_process_cpu_run_writes_a_complete_report_with_its_verdict(two_process_run):
+    result, report, _, _ = two_process_run
     assert list(report)[:4] == ["job", "world", "verdict", "checks"]
     assert set(world.SECTIONS) | {"nodes"} <= set(report)
     # one node: nothing to compare CPU figures with; a slow rank in a collective would only warn
@@ -53,6 +61,11 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
     floor_checks = {c["check"]: c for c in report["checks"] if c["check"].startswith("intra-node")}
     assert set(floor_checks) == {"intra-node all_reduce busbw", "intra-node all_gather busbw"}
     assert all(c["status"] == "skip" and "no floor for gloo" in c["value"] for c in floor_checks.values())
+    assert f"verdict: {report['verdict']} in" in result.stdout
+
+
+def test_two_process_cpu_run_times_each_collective_as_nccl_tests_counts(two_process_run):
+    _, report, _, _ = two_process_run
     for op in nccl_tests.BUSBW_FACTORS:
         rows = report["nccl"][op]
         assert [row["size_bytes"] for row in rows] == [65536, 262144, 1048576]
@@ -63,44 +76,33 @@ def test_two_process_cpu_run_writes_a_complete_report(tmp_path):
             assert row["busbw_GB/s"] == pytest.approx(
                 row["algbw_GB/s"] * nccl_tests.BUSBW_FACTORS[op](2), rel=2e-3
             )
+
+
+STORAGE_FIGURES = ("sequential_write_GB/s", "sequential_read_GB/s", "parallel_write_GB/s",
+                   "parallel_read_GB/s", "random_read_4k_IOPS")  # fmt: skip
+CPU_FIGURES = ("all_core_ops/s", "single_core_ops/s", "matmul_fp32_GFLOPS", "zlib_single_core_MB/s",
+               "zlib_all_cores_MB/s", "sort_float64_Melem/s")  # fmt: skip
+MEMORY_FIGURES = ("copy_1thread_GB/s", "triad_1thread_GB/s", "copy_all_cores_GB/s", "triad_all_cores_GB/s",
+                  "allocation_GB/s")  # fmt: skip
+
+
+def test_two_process_cpu_run_measures_its_node_and_leaves_no_file_in_the_storage_folder(two_process_run):
+    _, report, storage, reports = two_process_run
     (node,) = report["nodes"]
     storage_figures = report["storage"][node]
     assert storage_figures["method"].startswith(("O_DIRECT", "fsync + posix_fadvise"))
-    for key in (
-        "sequential_write_GB/s",
-        "sequential_read_GB/s",
-        "parallel_write_GB/s",
-        "parallel_read_GB/s",
-        "random_read_4k_IOPS",
-    ):
-        assert storage_figures[key] > 0
+    assert all(storage_figures[key] > 0 for key in STORAGE_FIGURES), storage_figures
     assert report["storage"]["aggregate"]["parallel_write_GB/s"] == pytest.approx(
         storage_figures["parallel_write_GB/s"], rel=2e-3
     )
     assert not list(storage.iterdir()), "the storage test must remove its files"
-    for key in (
-        "all_core_ops/s",
-        "single_core_ops/s",
-        "matmul_fp32_GFLOPS",
-        "zlib_single_core_MB/s",
-        "zlib_all_cores_MB/s",
-        "sort_float64_Melem/s",
-    ):
-        assert report["cpu"][node][key] > 0
-    for key in (
-        "copy_1thread_GB/s",
-        "triad_1thread_GB/s",
-        "copy_all_cores_GB/s",
-        "triad_all_cores_GB/s",
-        "allocation_GB/s",
-    ):
-        assert report["memory"][node][key] > 0
+    assert all(report["cpu"][node][key] > 0 for key in CPU_FIGURES), report["cpu"]
+    assert all(report["memory"][node][key] > 0 for key in MEMORY_FIGURES), report["memory"]
     per_node = yaml.safe_load((reports / f"benchmark_{report['job']['id']}_rank0.yaml").read_text())
     assert per_node["storage"] == storage_figures and "copy_1thread_GB/s" in per_node["memory"]
     assert report["nodes"][node]["nics_Gbps"] == collectives.nic_rates_Gbps()
     storage_check = next(c for c in report["checks"] if c["check"] == "storage parallel_write_GB/s")
     assert {"status": "pass", "check": "storage parallel_write_GB/s"}.items() <= storage_check.items()
-    assert f"verdict: {report['verdict']} in" in result.stdout
 
 
 def test_two_nodes_measure_links_between_them_and_nvlink_within_each(tmp_path):

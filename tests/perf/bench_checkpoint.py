@@ -55,6 +55,52 @@ def save_without_checksums(model, optimizer, folder):
     dcp.save(dict(zip(("model", "optimizer"), state)), checkpoint_id=folder)
 
 
+def stepped_model(args):
+    """The model built for training on a process group of one, stepped once so that its AdamW moments exist
+    and are saved: (cfg, shape, model, optimizer, scheduler, batches, bytes of weights and moments)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    cfg = options.parse([f"--model={args.model}", "--compile=False", "--activation_checkpointing=none",
+                         f"--checkpoint_dir={args.dir}", "--run_name=bench", "--keep_last=0"])  # fmt: skip
+    shape = options.complete_and_check(cfg)
+    device = torch.device("cpu")
+    model = build_model(build_model_config(shape), cfg, device, init_device_mesh("cpu", (1,)))
+    optimizer = build_optimizer(model, cfg, fused=False)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    n_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # weights + 2 moments
+    batches = open_batches(cfg, shape, None, 1, 0, 1, device)[0]
+    return cfg, shape, model, optimizer, scheduler, batches, n_bytes
+
+
+def best_seconds(args, cfg, shape, model, optimizer, scheduler, batches):
+    """The best of --repeat of each, interleaved (other work on the machine shifts all alike): the sharded
+    save with checksums, DCP's save alone, the checksums, their check, the load; then one asynchronous save's
+    time that training is blocked."""
+    n_params = sum(param.numel() for param in model.parameters())
+    checkpointer = checkpoints.Checkpointer(cfg, shape, 0, 1, n_params)
+    step_1 = os.path.join(args.dir, "bench", "step_1")
+    plain = os.path.join(args.dir, "plain")
+    state = (model, optimizer, scheduler, batches)
+    times = {"sync": [], "bare": [], "hash": [], "verify": [], "load": []}
+    for _ in range(args.repeat):
+        shutil.rmtree(step_1, ignore_errors=True)
+        times["bare"].append(timed(save_without_checksums, model, optimizer, plain))
+        shutil.rmtree(plain)
+        times["sync"].append(timed(checkpointer.save, {"step": 1, "tokens_seen": 0}, *state))
+        times["hash"].append(timed(checkpointer.checksums, step_1))  # the part of save() that hashes
+        times["verify"].append(timed(checkpointer.problem, step_1, model))
+        times["load"].append(timed(checkpointer.load, step_1, *state))
+    best = {name: min(seconds) for name, seconds in times.items()}
+    cfg.async_checkpoint = True
+    async_checkpointer = checkpoints.Checkpointer(cfg, shape, 0, 1, n_params)
+    best["blocked"] = timed(async_checkpointer.save, {"step": 2, "tokens_seen": 0}, *state)
+    async_checkpointer.finish()
+    return best
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2")
@@ -63,56 +109,11 @@ def main():
     args = parser.parse_args()
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    cfg = options.parse(
-        [
-            f"--model={args.model}",
-            "--compile=False",
-            "--activation_checkpointing=none",
-            f"--checkpoint_dir={args.dir}",
-            "--run_name=bench",
-            "--keep_last=0",
-        ],
-    )
-    shape = options.complete_and_check(cfg)
-    config = build_model_config(shape)
-    device = torch.device("cpu")
-    model = build_model(config, cfg, device, init_device_mesh("cpu", (1,)))
-    optimizer = build_optimizer(model, cfg, fused=device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    for param in model.parameters():  # one step so the AdamW moments exist and are saved
-        param.grad = torch.randn_like(param)
-    optimizer.step()
-    n_bytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3  # weights + 2 moments
-    batches = open_batches(cfg, shape, None, 1, 0, 1, device)[0]
-
+    cfg, shape, model, optimizer, scheduler, batches, n_bytes = stepped_model(args)
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     disk = disk_write_gbps(args.dir, n_bytes)
-    checkpointer = checkpoints.Checkpointer(cfg, shape, 0, 1)
-    step_1 = os.path.join(args.dir, "bench", "step_1")
-    plain = os.path.join(args.dir, "plain")
-    sync, bare, hashing, verify, load = [], [], [], [], []
-    for _ in range(args.repeat):  # interleaved, best of each: other work on the machine shifts all alike
-        shutil.rmtree(step_1, ignore_errors=True)
-        bare.append(timed(save_without_checksums, model, optimizer, plain))
-        shutil.rmtree(plain)
-        sync.append(
-            timed(checkpointer.save, {"step": 1, "tokens_seen": 0}, model, optimizer, scheduler, batches)
-        )
-        hashing.append(timed(checkpointer.checksums, step_1))  # the part of save() that hashes
-        verify.append(timed(checkpointer.problem, step_1))
-        load.append(timed(checkpointer.load, step_1, model, optimizer, scheduler, batches))
-    sync_seconds, bare_seconds, verify_seconds, load_seconds = min(sync), min(bare), min(verify), min(load)
-    hash_seconds = min(hashing)
-
-    cfg.async_checkpoint = True
-    async_checkpointer = checkpoints.Checkpointer(cfg, shape, 0, 1)
-    blocked_seconds = timed(
-        async_checkpointer.save, {"step": 2, "tokens_seen": 0}, model, optimizer, scheduler, batches
-    )
-    async_checkpointer.finish()
+    best = best_seconds(args, cfg, shape, model, optimizer, scheduler, batches)
     shutil.rmtree(args.dir, ignore_errors=True)
 
     def line(name, seconds, note=""):
@@ -123,15 +124,15 @@ def main():
         f"best of {args.repeat}"
     )
     print(f"{'disk sequential write (fsync)':<38} {disk:6.2f} GB/s")
-    line("sharded save with checksums", sync_seconds, f"{n_bytes / sync_seconds / 1e9 / disk:5.0%} of disk")
-    line("DCP save alone, no checksums", bare_seconds, f"{n_bytes / bare_seconds / 1e9 / disk:5.0%} of disk")
-    line("  of which the checksums", hash_seconds, f"{hash_seconds / sync_seconds:5.0%} of the save")
+    line("sharded save with checksums", best["sync"], f"{n_bytes / best['sync'] / 1e9 / disk:5.0%} of disk")
+    line("DCP save alone, no checksums", best["bare"], f"{n_bytes / best['bare'] / 1e9 / disk:5.0%} of disk")
+    line("  of which the checksums", best["hash"], f"{best['hash'] / best['sync']:5.0%} of the save")
     print(
-        f"{'async save: training blocked for':<38} {blocked_seconds:6.2f} s  "
-        f"{blocked_seconds / sync_seconds:5.0%} of the sync save"
+        f"{'async save: training blocked for':<38} {best['blocked']:6.2f} s  "
+        f"{best['blocked'] / best['sync']:5.0%} of the sync save"
     )
-    line("load", load_seconds)
-    line("checksums checked before the load", verify_seconds, f"{verify_seconds / load_seconds:5.0%} of load")
+    line("load", best["load"])
+    line("checksums checked before the load", best["verify"], f"{best['verify'] / best['load']:5.0%} of load")
     dist.destroy_process_group()
 
 

@@ -74,6 +74,59 @@ def loader_rate(batches, tokens_per_batch, seconds=5.0):
     return count * tokens_per_batch / (time.perf_counter() - start)
 
 
+def preparation(corpus, tokenizer_dir, cache):
+    """train.py --prepare_only on the corpus, then again (it finds its token file and reuses it): (the token
+    file, its tokens, seconds to prepare, seconds to find it prepared)."""
+    prepare = ["--prepare_only", f"--data={corpus}", f"--tokenizer={tokenizer_dir}", f"--data_cache={cache}"]
+    start = time.perf_counter()
+    train.main(prepare)
+    prepare_s = time.perf_counter() - start
+    (token_file,) = cache.glob("corpus-*/train.bin")
+    n_tokens = json.loads(Path(f"{token_file}.json").read_text())["tokens"]
+    start = time.perf_counter()
+    train.main(prepare)
+    return token_file, n_tokens, prepare_s, time.perf_counter() - start
+
+
+def window_loader_rate(token_file, cfg):
+    """Tokens/s of one rank of 8 on a node, as in a 4B run: batch_size windows of seq_length + 1 per
+    micro-step, shuffled, from the prepared token file."""
+    tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
+    window = functools.partial(batches.token_window, tokens, cfg.seq_length)
+    n_windows = (len(tokens) - 1) // cfg.seq_length
+    windows = batches.WindowBatches(
+        window,
+        n_windows,
+        cfg,
+        world_size=8,
+        rank=3,
+        accumulation=4,
+        device=torch.device("cpu"),
+        prefetch=True,
+        shuffle=True,
+    )
+    return loader_rate(windows, cfg.batch_size * cfg.seq_length)
+
+
+def streaming_rate(corpus, tmp, tokenizer_dir, cfg):
+    """Tokens/s of one rank streaming the corpus as parquet and tokenising it on the fly."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from datasets import load_dataset
+    from transformers import AutoTokenizer
+
+    parquet = tmp / "parquet"
+    parquet.mkdir()
+    lines = (corpus / "train.txt").read_text().splitlines()
+    pq.write_table(pa.table({"text": lines}), parquet / "train.parquet")
+    tokenize = token_files.tokenize_documents(AutoTokenizer.from_pretrained(tokenizer_dir), "text")
+    documents = load_dataset(str(parquet), split="train", streaming=True).map(tokenize, batched=True)
+    stream = batches.StreamingBatches(
+        documents, cfg, accumulation=4, device=torch.device("cpu"), prefetch=True
+    )
+    return loader_rate(stream, cfg.batch_size * cfg.seq_length)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=int, default=40, help="corpus size in MiB")
@@ -81,61 +134,14 @@ def main():
     parser.add_argument("--batch_size", type=int, default=8)
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
+    cfg = SimpleNamespace(batch_size=args.batch_size, seq_length=args.seq_length, seed=0)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         corpus = write_corpus(tmp, args.mb)
         tokenizer_dir = train_tokenizer(corpus, tmp)
-        cache = tmp / "cache"
-
-        prepare = [
-            "--prepare_only",
-            f"--data={corpus}",
-            f"--tokenizer={tokenizer_dir}",
-            f"--data_cache={cache}",
-        ]
-        start = time.perf_counter()
-        train.main(prepare)
-        prepare_s = time.perf_counter() - start
-        (token_file,) = cache.glob("corpus-*/train.bin")
-        n_tokens = json.loads(Path(f"{token_file}.json").read_text())["tokens"]
-        start = time.perf_counter()
-        train.main(prepare)
-        reuse_s = time.perf_counter() - start
-
-        # One rank of 8 on a node, as in a 4B run: batch_size windows of seq_length + 1 per micro-step.
-        cfg = SimpleNamespace(batch_size=args.batch_size, seq_length=args.seq_length, seed=0)
-        tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
-        n_windows = (len(tokens) - 1) // args.seq_length
-        window = functools.partial(batches.token_window, tokens, args.seq_length)
-        batch_tokens = args.batch_size * args.seq_length
-        windows = batches.WindowBatches(
-            window,
-            n_windows,
-            cfg,
-            world_size=8,
-            rank=3,
-            accumulation=4,
-            device=torch.device("cpu"),
-            prefetch=True,
-            shuffle=True,
-        )
-        window_rate = loader_rate(windows, batch_tokens)
-
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        from datasets import load_dataset
-        from transformers import AutoTokenizer
-
-        parquet = tmp / "parquet"
-        parquet.mkdir()
-        lines = (corpus / "train.txt").read_text().splitlines()
-        pq.write_table(pa.table({"text": lines}), parquet / "train.parquet")
-        tokenize = token_files.tokenize_documents(AutoTokenizer.from_pretrained(tokenizer_dir), "text")
-        documents = load_dataset(str(parquet), split="train", streaming=True).map(tokenize, batched=True)
-        stream = batches.StreamingBatches(
-            documents, cfg, accumulation=4, device=torch.device("cpu"), prefetch=True
-        )
-        stream_rate = loader_rate(stream, batch_tokens)
+        token_file, n_tokens, prepare_s, reuse_s = preparation(corpus, tokenizer_dir, tmp / "cache")
+        window_rate = window_loader_rate(token_file, cfg)
+        stream_rate = streaming_rate(corpus, tmp, tokenizer_dir, cfg)
 
     need = H200_4B_TOKENS_PER_S
     print(f"machine: {cores} cores available, torch {torch.__version__}")
