@@ -482,3 +482,14 @@ def test_a_kept_prediction_the_runs_own_steps_contradict_is_dropped_for_the_next
     out = capsys.readouterr().out
     assert (step_time.kept(tmp_path, holds_for) is None) == dropped
     assert out.count("is no longer kept for later launches") == dropped, out
+
+
+def test_a_kept_prediction_that_cannot_be_removed_is_one_warning_and_the_run_goes_on(tmp_path, capsys):
+    from run.prediction.live import LivePrediction
+
+    prediction = step_time.measured(measured(), 4, "here")
+    live = LivePrediction(prediction, str(tmp_path))  # a folder: removing it as a file fails
+    for _ in range(4):
+        live.log_window(1.6 * prediction.step_s, 3, {"host:0": (1.6 * prediction.layer_forward_s, 0.0)})
+    err = capsys.readouterr().err
+    assert err.count(f"warning: cannot remove {tmp_path} (") == 1 and tmp_path.is_dir(), err

@@ -7,6 +7,7 @@ GROWTH more: one slow window is not a slower run (a step the host held up, a pro
 put outside SLOW_RATIO either way is dropped, for the next launch to measure again."""
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ class LivePrediction:
                   f"{seconds:.3g} s of steps); the largest difference is {largest}, "
                   f"{differences[largest]:+.3g} s a step{pace if largest == 'compute' else ''}",
                   flush=True)  # fmt: skip
-        if judged and not 1 / SLOW_RATIO <= judged <= SLOW_RATIO:
+        if self.kept_path and judged and not 1 / SLOW_RATIO <= judged <= SLOW_RATIO:
             self.drop_kept(judged)
         return fields
 
@@ -66,14 +67,17 @@ class LivePrediction:
         """A probe in a spell when the host ran this machine's cores slower or faster than it runs them now,
         which nothing inside the machine sees (on the 2-core test machine, a matmul loop on both cores ran
         at 56% of its speed for 17 s, then at full speed), must not predict the next launch's step."""
-        if self.kept_path and os.path.exists(self.kept_path):
-            os.remove(self.kept_path)
-            print(
-                f"note: steps take {judged:.2f}x their prediction; it is no longer kept for later launches "
-                f"({self.kept_path} removed): the next launch measures the step again",
-                flush=True,
-            )
-        self.kept_path = None
+        path, self.kept_path = self.kept_path, None
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            return
+        except OSError as error:  # a read-only log folder: the run goes on
+            print(f"warning: cannot remove {path} ({error.strerror or error}); later launches of this run "
+                  "will print its prediction", file=sys.stderr, flush=True)  # fmt: skip
+            return
+        print(f"note: steps take {judged:.2f}x their prediction; it is no longer kept for later launches "
+              f"({path} removed): the next launch measures the step again", flush=True)  # fmt: skip
 
     def judged(self, seconds, predicted_s):
         """(measured over predicted, seconds) of the fewest latest windows, this one's included, that hold
