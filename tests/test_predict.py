@@ -473,7 +473,7 @@ def test_a_kept_prediction_the_runs_own_steps_contradict_is_dropped_for_the_next
     holds_for = {"options": {"model": "tiny"}, "machine": {"device": "CPU, 2 cores"}}
     prediction = step_time.measured(measured(), 4, "here")
     step_time.keep(tmp_path, prediction, holds_for)
-    live = LivePrediction(prediction, str(tmp_path / step_time.KEPT))
+    live = LivePrediction(prediction, str(tmp_path))
     steps = math.ceil(3 / prediction.step_s)
     live.log_window(5 * prediction.step_s, steps, {"host:0": (1.0, 0.0)})  # the first window: its warm-up
     compute_s = ratio * prediction.layer_forward_s
@@ -488,8 +488,10 @@ def test_a_kept_prediction_that_cannot_be_removed_is_one_warning_and_the_run_goe
     from run.prediction.live import LivePrediction
 
     prediction = step_time.measured(measured(), 4, "here")
-    live = LivePrediction(prediction, str(tmp_path))  # a folder: removing it as a file fails
+    kept = tmp_path / step_time.KEPT
+    kept.mkdir()  # a folder: removing it as a file fails
+    live = LivePrediction(prediction, str(tmp_path))
     for _ in range(4):
         live.log_window(1.6 * prediction.step_s, 3, {"host:0": (1.6 * prediction.layer_forward_s, 0.0)})
     err = capsys.readouterr().err
-    assert err.count(f"warning: cannot remove {tmp_path} (") == 1 and tmp_path.is_dir(), err
+    assert err.count(f"warning: cannot remove {kept} (") == 1 and kept.is_dir(), err

@@ -6,9 +6,6 @@ GROWTH more: one slow window is not a slower run (a step the host held up, a pro
 --log_every=1), nor are two short ones on a shared CPU. A kept prediction that the run's steps, judged so,
 put outside SLOW_RATIO either way is dropped, for the next launch to measure again."""
 
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 
@@ -24,10 +21,11 @@ JUDGED_S = 5.0
 
 
 class LivePrediction:
-    """prediction: rank 0's Prediction of this run's step; kept_path: where it is kept for later launches."""
+    """prediction: rank 0's Prediction of this run's step; kept_in: the log folder that keeps it for later
+    launches."""
 
-    def __init__(self, prediction, kept_path=None):
-        self.prediction, self.kept_path, self.recent = prediction, kept_path, []
+    def __init__(self, prediction, kept_in=None):
+        self.prediction, self.kept_in, self.recent = prediction, kept_in, []
         self.windows, self.slow_in_a_row, self.warned_ratio = 0, 0, 0.0
 
     def log_window(self, step_s, steps, rank_times):
@@ -59,25 +57,13 @@ class LivePrediction:
                   f"{seconds:.3g} s of steps); the largest difference is {largest}, "
                   f"{differences[largest]:+.3g} s a step{pace if largest == 'compute' else ''}",
                   flush=True)  # fmt: skip
-        if self.kept_path and judged and not 1 / SLOW_RATIO <= judged <= SLOW_RATIO:
-            self.drop_kept(judged)
+        # A probe made in a spell when the host ran this machine's cores slower or faster than it runs them
+        # now, which nothing inside the machine sees (on the 2-core test machine, a matmul loop on both cores
+        # ran at 56% of its speed for 17 s, then at full speed), must not predict the next launch's step.
+        if self.kept_in and judged and not 1 / SLOW_RATIO <= judged <= SLOW_RATIO:
+            step_time.forget(self.kept_in, judged)
+            self.kept_in = None
         return fields
-
-    def drop_kept(self, judged):
-        """A probe in a spell when the host ran this machine's cores slower or faster than it runs them now,
-        which nothing inside the machine sees (on the 2-core test machine, a matmul loop on both cores ran
-        at 56% of its speed for 17 s, then at full speed), must not predict the next launch's step."""
-        path, self.kept_path = self.kept_path, None
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            return
-        except OSError as error:  # a read-only log folder: the run goes on
-            print(f"warning: cannot remove {path} ({error.strerror or error}); later launches of this run "
-                  "will print its prediction", file=sys.stderr, flush=True)  # fmt: skip
-            return
-        print(f"note: steps take {judged:.2f}x their prediction; it is no longer kept for later launches "
-              f"({path} removed): the next launch measures the step again", flush=True)  # fmt: skip
 
     def judged(self, seconds, predicted_s):
         """(measured over predicted, seconds) of the fewest latest windows, this one's included, that hold
@@ -116,7 +102,7 @@ def predict_own_step(args, model, model_config, device, log_folder, holds_for, m
         return None
     if not kept[0]:
         step_time.keep(log_folder, prediction, holds_for)
-    return LivePrediction(prediction, os.path.join(log_folder, step_time.KEPT))
+    return LivePrediction(prediction, log_folder)
 
 
 def holds_for(args, names_the_run, device, world_size, processes_per_node):

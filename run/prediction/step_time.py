@@ -2,7 +2,8 @@
 (probe.py), a benchmark report's probe of this very configuration, or a roofline of a report's or a
 datasheet's figures (roofline.py), printed as a range. A prediction measured well is kept in the run's log
 folder with the options and machine it holds for and a checksum, so that a later launch of the run (a
-restart, a requeue) prints it without probing again."""
+restart, a requeue) prints it without probing again; one the run's own steps contradict is removed (live.py
+decides when)."""
 
 import dataclasses
 import hashlib
@@ -130,6 +131,22 @@ def keep(log_folder, prediction, holds_for):
     except OSError as error:
         print(f"warning: cannot keep the prediction in {path} ({error.strerror or error}); a restart will "
               "predict the step again", file=sys.stderr)  # fmt: skip
+
+
+def forget(log_folder, judged):
+    """Removes the prediction kept in log_folder, which the run's own steps put `judged` times off, with one
+    note; one that cannot be removed (a read-only log folder) is a warning, and the run goes on."""
+    path = os.path.join(log_folder, KEPT)
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        print(f"warning: cannot remove {path} ({error.strerror or error}); later launches of this run will "
+              "print its prediction", file=sys.stderr, flush=True)  # fmt: skip
+        return
+    print(f"note: steps take {judged:.2f}x their prediction; it is no longer kept for later launches ({path} "
+          "removed): the next launch measures the step again", flush=True)  # fmt: skip
 
 
 def kept(log_folder, holds_for):
