@@ -197,3 +197,25 @@ def assert_recovered(log_dir, reference, output):
     assert logged[-1][0] == 48, output
     assert [loss for _, loss in logged] == pytest.approx([reference[step] for step, _ in logged], rel=1e-5)
     return goodput(log_dir)
+
+
+def seconds_between(output, first, then):
+    """Seconds from the job's log line holding first to the one holding then (each starts with HH:MM:SS)."""
+
+    def said_at(text):
+        (clock,) = re.findall(rf"^(\d\d):(\d\d):(\d\d) .*{re.escape(text)}", output, re.M)
+        return int(clock[0]) * 3600 + int(clock[1]) * 60 + int(clock[2])
+
+    return (said_at(then) - said_at(first)) % 86400
+
+
+def assert_prompt(recovery, seen_s, check_s=0.0):
+    """A recovery the job carried out at once: it knew of the failure within a minute (a crash: torchrun's
+    notice; a frozen node: 20 s of silent heartbeats and the job's next look), ended the launch within 30 s
+    and, check_s of benchmark aside, launched again within 10 s; and the ledger's recovery is the one the test
+    saw, seen_s from the failure to the next step (to its poll's lag). Its start-up and the benchmark go with
+    the machine's speed and load: 33 s from a SIGKILL to the next step quiet here, 132 s on a loaded CI
+    machine, so no wall-clock bound is put on them."""
+    assert recovery["detection_s"] <= 60 and recovery["teardown_s"] <= 30, recovery
+    assert recovery["waiting_s"] - check_s <= 10, (recovery, check_s)
+    assert recovery["cost_s"] - recovery["lost_s"] == pytest.approx(seen_s, abs=15), (recovery, seen_s)

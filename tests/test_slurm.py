@@ -20,12 +20,14 @@ from slurm_jobs import (
     ENV,
     RECOVERED,
     TINY,
+    assert_prompt,
     assert_recovered,
     excluded_nodes,
     goodput,
     log,
     metrics,
     recovery_job,
+    seconds_between,
     submit,
     training_processes,
     wait,
@@ -375,15 +377,16 @@ def test_recovery_with_a_spare_restarts_in_place_then_swaps_the_spare_in(recover
     )
     assert "training on n4 n6, with the spare n6 (0 spares left)" in output, output
     print(f"spare: from the kill, then the freeze, to the next step: {hurt.to_next_step()} s")
-    (kill_to_step, freeze_to_step) = hurt.to_next_step()
-    assert kill_to_step <= 120 and freeze_to_step <= 180, (hurt.to_next_step(), output)
     ledger = assert_recovered(hurt.log_dir, recoveries["reference"].result(), output)
     print(f"spare: recoveries {json.dumps(ledger['recoveries'])}")
     crash, silent = ledger["recoveries"]
     assert (crash["cause"], crash["action"], silent["cause"], silent["action"]) == (
         "crash", "in place", "silent node", "spare n6 for n5"
     ), ledger["recoveries"]  # fmt: skip
-    assert silent["detection_s"] <= 60 and list(silent["nodes"]) == ["n5"], silent
+    assert list(silent["nodes"]) == ["n5"], silent
+    check_s = seconds_between(output, "benchmarking its nodes", "restarting in place on n4 n5")
+    assert_prompt(crash, hurt.to_next_step()[0], check_s + 1)  # +1: the log's clock counts whole seconds
+    assert_prompt(silent, hurt.to_next_step()[1])
     assert re.search(r"effective training time .*; 2 recoveries cost \d+ s: detection", output), output
 
 
@@ -403,8 +406,8 @@ def test_recovery_without_a_spare_restarts_in_place_then_requeues_without_the_fr
     assert re.search(ON_N7_N9.format(job_id=job_id), requeued), output
     assert ("world_size=1" if "alone" in requeued else "world_size=2") in requeued, output
     print(f"tight: from the kill, then the freeze, to the next step: {hurt.to_next_step()} s")
-    assert hurt.to_next_step()[0] <= 120, (hurt.to_next_step(), output)
     ledger = assert_recovered(hurt.log_dir, recoveries["reference"].result(), output)
     print(f"tight: recoveries {json.dumps(ledger['recoveries'])}")
     crash, silent = ledger["recoveries"]
     assert (crash["action"], silent["action"]) == ("in place", "requeue"), ledger["recoveries"]
+    assert_prompt(crash, hurt.to_next_step()[0])
