@@ -61,9 +61,10 @@ ENDED = {
 }
 
 
-def wait(job_id, tmp, timeout=240, on_poll=None):
+def wait(job_id, tmp, timeout=480, on_poll=None):
     """Polls until the job has ended (sbatch --wait polls with growing pauses of up to 30 s); returns its
-    fields and its .out and .err logs."""
+    fields and its .out and .err logs. timeout only catches a job that never ends: the time-limit job takes
+    about 100 s here alone, 183 s on a loaded CI machine."""
     deadline = time.time() + timeout
     # a live job also shows transient states (SIGNALING while SIGUSR1 goes out, REQUEUED, ...)
     while (fields := job(job_id))["JobState"] not in ENDED:
@@ -186,7 +187,7 @@ def recovery_job(tmp_path, partition, nodes, kill_node, freeze_node, **knobs):
         **knobs,
     )
     hurt = Hurt(job_id, tmp_path, kill_node, freeze_node)
-    fields, output = wait(job_id, tmp_path, timeout=480, on_poll=hurt)
+    fields, output = wait(job_id, tmp_path, on_poll=hurt)
     return job_id, fields, output, hurt
 
 
