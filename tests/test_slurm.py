@@ -411,3 +411,4 @@ def test_recovery_without_a_spare_restarts_in_place_then_requeues_without_the_fr
     crash, silent = ledger["recoveries"]
     assert (crash["action"], silent["action"]) == ("in place", "requeue"), ledger["recoveries"]
     assert_prompt(crash, hurt.to_next_step()[0])
+    assert silent["detection_s"] <= 60 and silent["teardown_s"] <= 30, silent  # its waiting is the queue
