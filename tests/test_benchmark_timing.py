@@ -5,6 +5,7 @@ times back-to-back calls, sees a device slow down, and agrees with single calls.
 import ctypes
 import mmap
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -58,10 +59,8 @@ def test_storage_reads_come_from_storage_not_the_page_cache(tmp_path, direct):
 def test_memory_bandwidth_agrees_with_a_plain_numpy_copy_of_the_same_size():
     """Within 25% of np.copyto on arrays of the same size, bytes counted alike (read + write): glibc's memmove
     writes differently above and below a size (on this VM a 1 GB copy runs at 20 GB/s, a 128 MiB one at
-    12), so only the same size compares. The two alternate, each a median over the benchmark's repeats, and
-    the best of each so far is compared: where other processes share the cores, most copies are interrupted
-    by them, by more or less (two busy loops beside it put single rounds 0.58-2.35x apart), and the least
-    interrupted round of each is the one that shows how each copies."""
+    12), so only the same size compares. The two alternate and the test takes up to three tries, since other
+    jobs share this VM's memory bus."""
     cfg = {
         **world.MODES["quick"],
         "memory_MiB": max(64, -(-4 * host.l3_cache_bytes() // timing.MiB)),
@@ -69,18 +68,21 @@ def test_memory_bandwidth_agrees_with_a_plain_numpy_copy_of_the_same_size():
     elements = cfg["memory_MiB"] * timing.MiB // 8
     source, target = np.full(elements, 1.0), np.empty(elements)
     threshold = host.memcpy_streaming_threshold_bytes()
-    ours, plain = [], []
-    for _ in range(10):
-        memory = host.memory_section(cfg)
-        ours.append(memory["copy_1thread_GB/s"])
-        copy_seconds = timing.median_seconds(lambda: np.copyto(target, source), repeats=cfg["repeats"])
-        plain.append(2 * source.nbytes / copy_seconds / 1e9)
+    ratios = []
+    for _ in range(3):
+        ours, plain = [], []
+        for _ in range(2):
+            memory = host.memory_section(cfg)
+            ours.append(memory["copy_1thread_GB/s"])
+            copy_seconds = timing.median_seconds(lambda: np.copyto(target, source), repeats=3)
+            plain.append(2 * source.nbytes / copy_seconds / 1e9)
         if threshold is not None:
             stores = "non-temporal" if source.nbytes > threshold else "regular"
             assert memory["copy_1thread_stores"] == stores
-        if len(ours) >= 2 and 0.75 <= max(ours) / max(plain) <= 1.25:
+        ratios.append(statistics.median(ours) / statistics.median(plain))
+        if 0.75 <= ratios[-1] <= 1.25:
             return
-    pytest.fail(f"benchmark copy {ours} GB/s, numpy copy {plain}: the best of each 0.75-1.25x apart never")
+    pytest.fail(f"benchmark copy / numpy copy = {ratios}, outside 0.75-1.25 every time")
 
 
 def sleeper(seconds_at, started):
