@@ -20,7 +20,7 @@ phase() {
 first=()
 phase -n 3 --dist loadfile --no-loadscope-reorder -m "not timing" "$@"
 # Where it may (root, as in CI), the timing phase runs at a higher priority than other work on the cores:
-# beside two busy loops its timed loops were otherwise interrupted, and 4 of 9 runs failed; 7 of 8 passed so.
+# beside two busy loops its timed loops were otherwise interrupted, and 4 of 9 runs failed; 13 of 14 passed so.
 if [ "$(id -u)" -eq 0 ]; then first=(nice -n -15); fi
 phase -m timing "$@"
 # 5 is pytest's "no test selected": a phase the arguments leave empty
