@@ -14,14 +14,14 @@ export PYTHONDONTWRITEBYTECODE=1
 statuses=()
 phase() {
   local status=0
-  "${first[@]}" .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@" || status=$?
+  "${priority[@]}" .venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@" || status=$?
   statuses+=("$status")
 }
-first=()
+priority=()
 phase -n 3 --dist loadfile --no-loadscope-reorder -m "not timing" "$@"
 # Where it may (root, as in CI), the timing phase runs at a higher priority than other work on the cores:
 # beside two busy loops its timed loops were otherwise interrupted, and 4 of 9 runs failed; 13 of 14 passed so.
-if [ "$(id -u)" -eq 0 ]; then first=(nice -n -15); fi
+if [ "$(id -u)" -eq 0 ]; then priority=(nice -n -15); fi
 phase -m timing "$@"
 # 5 is pytest's "no test selected": a phase the arguments leave empty
 for status in "${statuses[@]}"; do
