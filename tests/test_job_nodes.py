@@ -124,6 +124,25 @@ def test_an_earlier_job_with_the_same_id_neither_stops_this_one_nor_stands_in_fo
     assert {path: path.read_text() for path in earlier} == earlier
 
 
+def test_a_first_start_in_the_comment_that_is_no_time_is_replaced_and_names_no_path_out_of_the_folder(tmp_path):
+    """The job's comment is text anyone who may update the job can set: a first_start= that is not the time
+    the job keeps there (one that climbs out of logs/) is replaced by this start's time, and every report
+    stays in the folder."""
+    reports = []
+
+    def phases(script, nodes, process):
+        if script == "benchmark.py":
+            reports.append(process.report)
+            return passing_benchmark(process)
+        return 0
+
+    scheduler = FakeSlurm(tmp_path, phases, comment="mine first_start=x/../../../escape")
+    assert run_job(scheduler) == [0]
+    stamp = first_start(scheduler)
+    assert stamp != "x/../../../escape" and scheduler.comment_text == f"mine first_start={stamp}"
+    assert reports == [f"logs/benchmark_42_{stamp}.yaml"]
+
+
 def test_a_benchmark_that_stopped_before_a_verdict_is_not_called_a_failing_check(tmp_path, capsys):
     """benchmark.py refused its input (exit 2) or crashed: no outcome. The job says so, blames no node and
     stops."""

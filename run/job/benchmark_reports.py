@@ -4,6 +4,7 @@ verdict. Standard library only (see run/job/__init__.py)."""
 
 import argparse
 import itertools
+import re
 import sys
 import time
 from pathlib import Path
@@ -80,7 +81,7 @@ def first_start(scheduler):
     -o %k); kept there now, on the first start."""
     comment = scheduler.comment()
     kept = slurm.comment_value(comment, "first_start")
-    if kept:
+    if kept and re.fullmatch(r"\d{8}T\d{6}Z", kept):  # anything else would name a path out of the folder
         return kept
     now = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     refused = scheduler.set_comment(slurm.with_comment_value(comment, "first_start", now))
