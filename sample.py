@@ -71,7 +71,7 @@ def generate(cfg, folder):
         ) from None
     refuse_another_model(folder, report)
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
-    tokenizer = AutoTokenizer.from_pretrained(folder) if has_tokenizer else None
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False) if has_tokenizer else None
     ids = prompt_ids(cfg, folder, model, tokenizer)
     torch.manual_seed(cfg.seed)
     sampling = (
@@ -137,7 +137,7 @@ def load_model(folder):
     transformers_logging.set_verbosity_error()
     try:
         model, report = AutoModelForCausalLM.from_pretrained(
-            folder, output_loading_info=True, ignore_mismatched_sizes=True
+            folder, output_loading_info=True, ignore_mismatched_sizes=True, trust_remote_code=False
         )
     finally:
         transformers_logging.set_verbosity(verbosity)

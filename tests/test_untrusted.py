@@ -9,6 +9,8 @@ import pathlib
 import pickle
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -33,7 +35,7 @@ from checkpoint_tampering import (
     unknown_layout,
     unlisted_full_state,
 )
-from conftest import TINY, launch, together
+from conftest import REPO, TINY, launch, together
 from torch.distributed.checkpoint.metadata import Metadata
 
 from run.checkpoint.files import MANIFEST, file_checksum
@@ -240,6 +242,42 @@ def test_a_folder_that_needs_its_own_code_is_refused_before_transformers_asks(tm
     sampled = launch("sample.py", [f"--init_from={folder}"], nproc=0)
     assert sampled.returncode == 2 and sampled.stderr.strip().startswith(f"error: --init_from={folder} needs")
     assert "[y/N]" not in sampled.stdout + sampled.stderr
+
+
+def hub_repo_with_code(cache, repo, marker):
+    """A repository in a Hugging Face cache whose config and tokenizer name classes of its own, in code that
+    creates the marker file when it runs."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    stored = cache / f"models--{repo.replace('/', '--')}"
+    (stored / "refs").mkdir(parents=True)
+    (stored / "refs" / "main").write_text(commit)
+    snapshot = stored / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(
+        json.dumps({"model_type": "evil", "auto_map": {"AutoConfig": "evil.C"}})
+    )
+    (snapshot / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["evil.T", None]}})
+    )
+    (snapshot / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nfrom transformers import PreTrainedConfig\n\n\n"
+        "class C(PreTrainedConfig):\n    model_type = 'evil'\n\n\nclass T:\n    pass\n"
+    )
+
+
+def test_a_hub_model_or_tokenizer_that_needs_its_own_code_is_refused_without_asking(tmp_path):
+    """A hub name is no folder to read before transformers does: transformers itself must refuse its code
+    rather than ask "Do you wish to run the custom code? [y/N]", here answered y."""
+    marker = tmp_path / "marker"
+    hub_repo_with_code(tmp_path / "hub", "someone/with-code", marker)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    for option in ("--init_from", "--tokenizer"):
+        argv = [sys.executable, "train.py", f"{option}=someone/with-code", "--data=train.py", "--dry_run"]
+        result = subprocess.run(argv, cwd=REPO, env=env, input="y\n", capture_output=True, text=True)
+        assert result.returncode == 2 and not marker.exists(), result.stdout + result.stderr
+        [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert "someone/with-code" in line and "custom code" in line, line
+        assert "[y/N]" not in result.stdout + result.stderr
 
 
 def test_a_model_folder_without_weights_is_refused_before_the_model_is_built(tmp_path, capsys):

@@ -45,7 +45,7 @@ def load_tokenizer(args):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer, trust_remote_code=False)
     except (OSError, ValueError) as error:
         reason = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
         if os.path.isdir(args.tokenizer):

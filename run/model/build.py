@@ -71,7 +71,9 @@ def load_pretrained(model, name_or_path):
     weights = {}
     if dist.get_rank() == 0:
         try:
-            weights = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32).state_dict()
+            weights = AutoModelForCausalLM.from_pretrained(
+                name_or_path, dtype=torch.float32, trust_remote_code=False
+            ).state_dict()
         except (
             pickle.UnpicklingError
         ) as error:  # the other ranks wait in the broadcast until torchrun ends them

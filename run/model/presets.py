@@ -72,7 +72,7 @@ def resolve_shape(args):
     if args.init_from:
         missing_folder("--init_from", args.init_from)
         try:
-            pretrained = transformers.AutoConfig.from_pretrained(args.init_from)
+            pretrained = transformers.AutoConfig.from_pretrained(args.init_from, trust_remote_code=False)
         except (OSError, ValueError) as error:
             raise ConfigError(f"--init_from={args.init_from}: {str(error).splitlines()[0]}") from None
         config_class, arguments = type(pretrained), pretrained.to_dict()
