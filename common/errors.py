@@ -2,6 +2,7 @@
 and exit status 2, said once (by rank 0, or by each node's local rank 0 for what differs by node)."""
 
 import os
+import re
 import signal
 import sys
 import time
@@ -22,8 +23,15 @@ def report_config_error(error):
 
 
 def fail(message):
-    print("\n".join(f"error: {line}" for line in str(message).splitlines()), file=sys.stderr, flush=True)
+    lines = without_credentials(str(message)).splitlines()
+    print("\n".join(f"error: {line}" for line in lines), file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def without_credentials(text):
+    """text with the user:password@ of every URL in it left out: a mirror's (HF_ENDPOINT=https://user:token@
+    host) reaches the job's log inside the hub libraries' own messages."""
+    return re.sub(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)[^/\s@]+@", r"\1", text)
 
 
 SPEAKER_WAIT_S = 30

@@ -356,17 +356,17 @@ def test_options_left_to_auto_are_not_timed_as_another_configuration_and_say_so(
     assert benchmark.train_run("--model=tiny --activation_checkpointing=auto") is None
 
 
-def without_a_hub(tmp_path, port):
+def without_a_hub(tmp_path, port, credentials=""):
     """The environment of a machine whose Hugging Face hub is at a local port, with an empty cache."""
     env = {key: value for key, value in os.environ.items() if key != "HF_HUB_OFFLINE"}
-    hub = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://127.0.0.1:{port}"}
+    hub = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": f"http://{credentials}127.0.0.1:{port}"}
     return {**env, **hub, "NO_PROXY": "*", "no_proxy": "*"}
 
 
 def test_a_hub_name_in_train_args_without_a_hub_is_one_line_at_once_and_a_stop_ends_it(tmp_path):
     """huggingface_hub retried an unreachable hub for 49 s, and once held on through a SIGTERM for 120 s. The
     hub is asked once, before any Hugging Face library loads: unreachable, what the run needs from it comes
-    from the cache, or its line says it is missing."""
+    from the cache, or its line says it is missing; a mirror's credentials in HF_ENDPOINT are never shown."""
     benchmark_command = [sys.executable, str(ROOT / "benchmark.py"), "--quick", "--only=cpu",
                          f"--report_dir={tmp_path / 'reports'}"]  # fmt: skip
     with socket.socket() as closed:
@@ -374,10 +374,12 @@ def test_a_hub_name_in_train_args_without_a_hub_is_one_line_at_once_and_a_stop_e
         refusing = closed.getsockname()[1]  # nothing listens there once it is closed: refused at once
     refused = subprocess.run(
         [*benchmark_command, "--train_args=--model=tiny --data=hf:some/name --max_steps=5"],
-        cwd=tmp_path, env=without_a_hub(tmp_path, refusing), capture_output=True, text=True, timeout=180,
+        cwd=tmp_path, env=without_a_hub(tmp_path, refusing, "user:s3cret@"), capture_output=True, text=True,
+        timeout=180,
     )  # fmt: skip
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert f"http://127.0.0.1:{refusing} is unreachable (" in refused.stdout, refused.stdout
+    assert "s3cret" not in refused.stdout + refused.stderr
     [line] = refused.stderr.splitlines()
     assert line.startswith("error: --train_args: cannot load tokenizer 'gpt2' (") and "Retry" not in line
     with socket.socket() as silent:  # a hub that takes the connection and never answers

@@ -124,7 +124,7 @@ def test_an_earlier_job_with_the_same_id_neither_stops_this_one_nor_stands_in_fo
     assert {path: path.read_text() for path in earlier} == earlier
 
 
-def test_a_first_start_in_the_comment_that_is_no_time_is_replaced_and_names_no_path_out_of_the_folder(tmp_path):
+def test_a_first_start_in_the_comment_that_is_no_time_is_replaced_and_names_no_path_out_of_logs(tmp_path):
     """The job's comment is text anyone who may update the job can set: a first_start= that is not the time
     the job keeps there (one that climbs out of logs/) is replaced by this start's time, and every report
     stays in the folder."""

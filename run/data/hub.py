@@ -6,6 +6,8 @@ import os
 import urllib.error
 import urllib.request
 
+from common.errors import without_credentials
+
 
 def hub_needed(args, data_kind):
     """Whether the data, tokenizer or init_from model may have to come from the Hugging Face hub."""
@@ -28,7 +30,5 @@ def use_cache_if_hub_unreachable(args, data_kind):
     except (OSError, ValueError) as error:
         os.environ["HF_HUB_OFFLINE"] = "1"
         if int(os.environ.get("RANK", 0)) == 0:
-            print(
-                f"{endpoint} is unreachable ({getattr(error, 'reason', error)}): using cached files only",
-                flush=True,
-            )
+            said = f"{endpoint} is unreachable ({getattr(error, 'reason', error)}): using cached files only"
+            print(without_credentials(said), flush=True)
