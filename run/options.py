@@ -133,8 +133,10 @@ def rebuild_model(saved_options, saved_shape):
     and its tokenizer. The vocabulary is the one saved, whatever the tokenizer holds now."""
     saved = parse([])
     vars(saved).update({name: value for name, value in saved_options.items() if name in declared()})
-    shape = resolve_shape(saved)
+    shape = resolve_shape(saved)  # its --init_from checked as a user's would be
     vars(shape).update(saved_shape)
+    if saved.data != "dummy":  # a checkpoint's checksums prove no author: its folders are checked likewise
+        missing_folder("the checkpoint's --tokenizer", saved.tokenizer)
     tokenizer = load_tokenizer(saved)
     return build_meta_model(build_model_config(shape, tokenizer, shape.vocab_size)), tokenizer
 

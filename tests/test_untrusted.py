@@ -280,6 +280,27 @@ def test_a_hub_model_or_tokenizer_that_needs_its_own_code_is_refused_without_ask
         assert "[y/N]" not in result.stdout + result.stderr
 
 
+def test_a_checkpoint_naming_a_tokenizer_that_needs_its_own_code_is_refused_in_one_line(trusted, tmp_path):
+    """The options a checkpoint records (its checksums recomputed, as anyone can) are checked as a user's:
+    a tokenizer folder that needs code of its own is refused, named as the checkpoint's."""
+    shutil.copytree(trusted, tmp_path / "run")
+    step, folder = tmp_path / "run" / "r" / "step_4", tmp_path / "custom"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"auto_map": {"AutoTokenizer": ["tok.E", None]}})
+    )
+    state = json.loads((step / "trainer_state.json").read_text())
+    state["config"].update(data="train.py", tokenizer=str(folder))
+    (step / "trainer_state.json").write_text(json.dumps(state))
+    forge_manifest(step)
+    sampled = launch("sample.py", [f"--init_from={step}"], nproc=0)
+    assert sampled.returncode == 2, sampled.stderr[-2000:]
+    [line] = sampled.stderr.strip().splitlines()
+    assert line.startswith(
+        f"error: the checkpoint's --tokenizer={folder} needs code of its own (tokenizer_"
+    ), line
+
+
 def test_a_model_folder_without_weights_is_refused_before_the_model_is_built(tmp_path, capsys):
     from transformers import GPT2Config
 
