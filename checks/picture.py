@@ -16,6 +16,7 @@ import sys
 from checks.terminal import printable
 from checks.verdicts import DATASHEET_CHECKS
 from common.datasheet import datasheet
+from common.files import no_links, temporary_beside
 
 GPU_FIGURES = (("matmul_bf16_TFLOPS", "bf16 matmul, TFLOP/s"), ("copy_GB/s", "HBM copy, GB/s"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -278,12 +279,11 @@ def draw(report, path):
         color=VERDICT_COLOURS.get(verdict, "black"),
         fontsize=13,
     )
-    temporary = f"{path}.{os.getpid()}.tmp.png"
     try:
-        figure.savefig(temporary, dpi=80)
-        os.replace(temporary, path)
+        with temporary_beside(path) as temporary:
+            with open(temporary, "xb", opener=no_links) as file:
+                figure.savefig(file, format="png", dpi=80)
+            os.replace(temporary, path)
     finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
         plt.close(figure)
     return [axis.get_title() for axis in (*gpu_axes, *collective_axes, *node_axes)]

@@ -7,6 +7,7 @@ names: regular files alone, of a bounded size, so that nothing put in their plac
 import contextlib
 import json
 import os
+import secrets
 import stat
 import time
 
@@ -84,11 +85,19 @@ def set_aside_damaged(path):
     return f"set aside as {aside}"
 
 
+def no_links(path, flags):
+    """open()'s opener that never follows a symbolic link at path: in a folder others may write to (a shared
+    data cache, a team's logs), a link left at a name this run writes would send the write to a file of their
+    choosing. With mode "x", not over any file either."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+
+
 @contextlib.contextmanager
 def temporary_beside(path):
-    """The name of a temporary file beside path, removed if anything fails before it is renamed or linked
-    into place: a full disk, a folder where the file should go, a failed rename leave nothing behind."""
-    temporary = f"{path}.{os.getpid()}.tmp"
+    """A name for a temporary file beside path that nobody can guess (open it with mode "x" and no_links),
+    removed if anything fails before it is renamed or linked into place: a full disk, a folder where the file
+    should go, a failed rename leave nothing behind."""
+    temporary = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
         yield temporary
     except BaseException:
@@ -100,7 +109,7 @@ def temporary_beside(path):
 def write_atomically(path, text):
     """Replaces path with text in one step."""
     with temporary_beside(path) as temporary:
-        with open(temporary, "w") as file:
+        with open(temporary, "x", opener=no_links) as file:
             file.write(text)
         os.replace(temporary, path)
 
@@ -109,7 +118,7 @@ def create_atomically(path, text):
     """Writes text to path, which must not exist: FileExistsError if it does, even when another process
     creates it at the same moment (a hard link never replaces its target), and nothing is left behind."""
     with temporary_beside(path) as temporary:
-        with open(temporary, "w") as file:
+        with open(temporary, "x", opener=no_links) as file:
             file.write(text)
         os.link(temporary, path)
     os.remove(temporary)

@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from common.files import UnsafeFile, read_json, read_regular, set_aside_damaged, write_atomically
+from common.files import UnsafeFile, no_links, read_json, read_regular, set_aside_damaged, write_atomically
 
 SUSPECTS = "suspects"  # the folder, in the run folder
 EXCLUDED = "excluded_nodes"  # the file, in the run folder
@@ -86,7 +86,7 @@ def exclude(run_folder, limit):
     new = {node: why for node, why in sorted(suspects.items()) if node not in excluded}
     if new:
         when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        with open(os.path.join(run_folder, EXCLUDED), "a") as file:
+        with open(os.path.join(run_folder, EXCLUDED), "a", opener=no_links) as file:
             file.write("" if whole_lines else "\n")  # a torn last line stays alone
             file.writelines(f"{node}\t{when}\t{why}\n" for node, why in new.items())
     for suspect in read:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from common.errors import ConfigError, exit_after_the_speaker, fail
-from common.files import UnsafeFile, read_json
+from common.files import UnsafeFile, no_links, read_json
 from common.node import available_memory_bytes, local_device
 from run.checkpoint.checkpointer import checkpoint_step
 from run.health.watchdog import PG_TIMEOUT_FIRST_STEP, flight_recorder_env
@@ -97,7 +97,9 @@ def take_run_lock(run_dir):
     mine = f"{path}.{socket.gethostname()}.{os.getpid()}"
     me = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID")}
     try:
-        with open(mine, "w") as file:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(mine)  # a crashed start's of the same pid; a link is removed, never followed
+        with open(mine, "x", opener=no_links) as file:
             json.dump(me, file)
     except OSError as error:
         with contextlib.suppress(OSError):

@@ -15,8 +15,9 @@ import pytest
 from conftest import ODD, TINY, make_odd, parse_options, read_metrics, validated
 
 import benchmark
+from common import suspects
 from common.errors import ConfigError
-from common.files import UnsafeFile, read_json, read_regular
+from common.files import UnsafeFile, create_atomically, read_json, read_regular, write_atomically
 from run import launch, options
 from run.checkpoint import set_aside
 from run.job import benchmark_reports
@@ -230,6 +231,21 @@ def test_a_benchmark_outcome_that_is_not_a_regular_file_is_no_verdict(tmp_path, 
     assert benchmark_reports.read_outcome(tmp_path / "benchmark_1.outcome.json") is None
 
 
+@pytest.mark.parametrize(
+    "report, verdict",
+    [("{folder}/benchmark_1.yaml", "pass"), ("{folder}/../elsewhere/benchmark_1.yaml", None),
+     ("/etc/passwd", None), (["not", "a", "path"], None)],
+)  # fmt: skip
+def test_a_benchmark_outcome_names_a_report_beside_it_or_is_no_verdict(tmp_path, report, verdict):
+    """Training reads the report an outcome names: one anywhere else, or no path, is no verdict (the job
+    benchmarks again), where a list crashed the job."""
+    path = tmp_path / "benchmark_1.outcome.json"
+    named = report.format(folder=tmp_path) if isinstance(report, str) else report
+    path.write_text(json.dumps({"verdict": "pass", "report": named, "failed_nodes": {}}))
+    outcome = benchmark_reports.read_outcome(path)
+    assert (outcome and outcome["verdict"]) == verdict
+
+
 @pytest.mark.parametrize("kind", ODD)
 def test_a_config_file_that_is_not_a_regular_file_is_one_line_and_exit_2(tmp_path, kind, deadline):
     """train.py --config, and the same inside benchmark.py --train_args: a FIFO hung them, a link to
@@ -271,3 +287,32 @@ def test_a_run_lock_that_is_not_a_regular_file_of_a_locks_size_is_taken_over(
     assert "from no one: it is empty or unreadable" in capsys.readouterr().out
     launch.release_run_lock(path)
     assert not os.path.lexists(path)
+
+
+def test_a_link_planted_where_a_write_goes_is_never_followed(tmp_path, capsys):
+    """In a folder others may write to (a shared data cache, a team's logs), a link left at a name a write
+    takes would send the write to a file of their choosing: temporary names cannot be guessed (they were the
+    path and the pid), the run's lock is never written through one, the run's records are not appended
+    through one (one warning), and the job's list of excluded nodes, a link, is set aside and written anew."""
+    victim = tmp_path / "victim"
+    victim.write_text("theirs")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    host = os.uname().nodename
+    planted = [f"report.yaml.{os.getpid()}.tmp", f"new.json.{os.getpid()}.tmp",
+               f"{launch.RUN_LOCK}.{host}.{os.getpid()}", suspects.EXCLUDED, "metrics.jsonl"]  # fmt: skip
+    for name in planted:
+        (shared / name).symlink_to(victim)
+    write_atomically(shared / "report.yaml", "mine")
+    create_atomically(shared / "new.json", "mine")
+    launch.release_run_lock(launch.take_run_lock(str(shared)))
+    os.makedirs(suspects.suspects_folder(str(shared)))
+    suspects.write_suspects(suspects.suspects_folder(str(shared)), "test", {"n3": "failed its check"})
+    records = run_log.RunLog(types.SimpleNamespace(tensorboard=False, wandb=None), str(shared))
+    records.write({"step": 1, "loss": 2.5})
+    records.close()
+    assert "cannot write" in capsys.readouterr().err
+    assert suspects.exclude(str(shared), limit=2) == {"n3": "failed its check"}
+    assert (shared / suspects.EXCLUDED).is_file() and not (shared / suspects.EXCLUDED).is_symlink()
+    assert victim.read_text() == "theirs"
+    assert (shared / "report.yaml").read_text() == (shared / "new.json").read_text() == "mine"

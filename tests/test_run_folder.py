@@ -363,17 +363,18 @@ def test_a_broken_line_in_metrics_is_skipped_with_a_warning(tmp_path, capsys):
     assert out.strip() == f"curves: {tmp_path}/curves.png" and (tmp_path / "curves.png").stat().st_size > 0
 
 
-def test_a_full_log_disk_ends_the_records_with_one_warning_not_the_run(tmp_path, capsys):
+def test_a_full_log_disk_ends_the_records_with_one_warning_not_the_run(small_disks, capsys):
     from run.progress.run_log import RunLog
 
-    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")  # every write: No space left on device
-    run_log = RunLog(types.SimpleNamespace(tensorboard=False, wandb=None), str(tmp_path))
-    for step in range(1, 4):
-        run_log.write({"step": step, "loss": 5.0})
+    disk = small_disks(1)
+    fill_disk(disk)  # what room it leaves, less than a filler's write, the records below take
+    run_log = RunLog(types.SimpleNamespace(tensorboard=False, wandb=None), str(disk))
+    for step in range(1, 300):
+        run_log.write({"step": step, "loss": 5.0, "note": "x" * 300})
     run_log.close()
     err = capsys.readouterr().err
     assert err.count("warning:") == 1, err
-    assert f"warning: cannot write {tmp_path}/metrics.jsonl (No space left on device)" in err
+    assert f"warning: cannot write {disk}/metrics.jsonl (No space left on device)" in err
 
 
 def test_on_a_log_disk_that_fills_a_record_is_written_whole_or_not_at_all(small_disks, capsys):

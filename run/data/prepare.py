@@ -15,6 +15,7 @@ import numpy as np
 import torch.distributed as dist
 
 from common.errors import ConfigError
+from common.files import no_links, temporary_beside, write_atomically
 
 FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -297,23 +298,20 @@ def prepare_token_files(args, kind, name, config, tokenizer):
         workers, columns = min(cores, max(1, documents.num_rows // 1000)), documents.column_names
         label = f"tokenizing {split}"
         tokens = documents.map(tokenize, batched=True, remove_columns=columns, num_proc=workers, desc=label)
-        digest, count, temporary = hashlib.blake2b(), 0, f"{paths[split]}.{os.getpid()}.tmp"
-        with open(temporary, "wb") as file:
-            for table in tokens.with_format("arrow").iter(batch_size=2**16):
-                ids = pc.list_flatten(table["input_ids"]).to_numpy().astype(token_dtype(tokenizer))
-                ids.tofile(file)
-                digest.update(ids)
-                count += len(ids)
-        if count == 0:
-            os.remove(temporary)
-            raise ConfigError(f"--data={args.data} holds no text in its {split} split")
-        os.replace(temporary, paths[split])
-        with open(temporary, "w") as file:
-            dtype = np.dtype(token_dtype(tokenizer)).name
-            json.dump(
-                {**meta, "split": split, "tokens": count, "dtype": dtype, "blake2b": digest.hexdigest()}, file
-            )
-        os.replace(temporary, paths[split] + ".json")
+        digest, count = hashlib.blake2b(), 0
+        with temporary_beside(paths[split]) as temporary:  # removed if anything below fails
+            with open(temporary, "xb", opener=no_links) as file:
+                for table in tokens.with_format("arrow").iter(batch_size=2**16):
+                    ids = pc.list_flatten(table["input_ids"]).to_numpy().astype(token_dtype(tokenizer))
+                    ids.tofile(file)
+                    digest.update(ids)
+                    count += len(ids)
+            if count == 0:
+                raise ConfigError(f"--data={args.data} holds no text in its {split} split")
+            os.replace(temporary, paths[split])
+        dtype = np.dtype(token_dtype(tokenizer)).name
+        record = {**meta, "split": split, "tokens": count, "dtype": dtype, "blake2b": digest.hexdigest()}
+        write_atomically(paths[split] + ".json", json.dumps(record))
     return paths
 
 

@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from common.files import no_links
 from common.node import node_name
 from common.suspects import suspects_folder, write_suspects
 from run.job.heartbeats import HEARTBEAT_S, SILENT_S, Heartbeats
@@ -167,7 +168,7 @@ class Watchdog:
             self.on_hang()
             if suspects := self.suspects():
                 line += "; waiting for " + ", ".join(f"{node} ({why})" for node, why in suspects.items())
-            with open(self.path, "w") as file:
+            with open(self.path, "w", opener=no_links) as file:
                 file.write(line + "\n\n")
                 file.flush()
                 faulthandler.dump_traceback(file, all_threads=True)
@@ -175,7 +176,7 @@ class Watchdog:
             if self.cuda and dump_trace is not None:  # a CUDA build: this rank's last collectives too
                 names = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
                 prefix = next(os.environ[name] for name in names if os.environ.get(name))
-                with open(f"{prefix}{self.rank}", "wb") as file:
+                with open(f"{prefix}{self.rank}", "wb", opener=no_links) as file:
                     file.write(dump_trace())
         finally:
             print(line, file=sys.stderr, flush=True)

@@ -36,7 +36,11 @@ def read_outcome(path):
     except (OSError, UnsafeFile, ValueError):
         return None
     valid = isinstance(outcome, dict) and outcome.get("verdict") in ("pass", "warn", "fail")
-    return outcome if valid and isinstance(outcome.get("failed_nodes"), dict) else None
+    valid = valid and isinstance(outcome.get("failed_nodes"), dict) and isinstance(outcome.get("report"), str)
+    # training reads the report it names: one beside the outcome, as benchmark.py writes them, and no other
+    return (
+        outcome if valid and Path(outcome["report"]).parent.resolve() == Path(path).parent.resolve() else None
+    )
 
 
 def numbered(report, run):

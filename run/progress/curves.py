@@ -1,13 +1,12 @@
 """A run's curves, <log_dir>/<run_name>/curves.png, from its metrics.jsonl and goodput.json alone: at the end
 of a run, and at any time with train.py --plot=<run folder>."""
 
-import contextlib
 import json
 import os
 import sys
 
 from common.errors import ConfigError
-from common.files import UnsafeFile, matplotlib_writes_under, read_json
+from common.files import UnsafeFile, matplotlib_writes_under, no_links, read_json, temporary_beside
 from run.progress import goodput
 
 
@@ -81,14 +80,11 @@ def plot_curves(folder):
     figure.suptitle(f"{os.path.basename(os.path.abspath(folder))}: {records[-1]['step']} steps")
     figure.tight_layout()
     path = os.path.join(folder, "curves.png")
-    temporary = os.path.join(folder, f"curves.{os.getpid()}.tmp.png")
     try:
-        figure.savefig(temporary, dpi=100)
-        os.replace(temporary, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
-        raise
+        with temporary_beside(path) as temporary:
+            with open(temporary, "xb", opener=no_links) as file:
+                figure.savefig(file, format="png", dpi=100)
+            os.replace(temporary, path)
     finally:
         plt.close(figure)
     return path

@@ -9,7 +9,7 @@ import threading
 
 import yaml
 
-from common.files import UnsafeFile, append_whole, read_regular, set_aside_damaged, write_atomically
+from common.files import UnsafeFile, append_whole, no_links, read_regular, set_aside_damaged, write_atomically
 
 
 class RunLog:
@@ -18,8 +18,11 @@ class RunLog:
     name, so a requeued or relaunched job continues the same W&B run."""
 
     def __init__(self, args, folder):
-        self.folder = folder
-        self.metrics = open(os.path.join(folder, "metrics.jsonl"), "ab", buffering=0)
+        self.folder, self.path, self.metrics = folder, os.path.join(folder, "metrics.jsonl"), None
+        try:
+            self.metrics = open(self.path, "ab", buffering=0, opener=no_links)
+        except OSError as error:  # a symbolic link left at its name too: never appended through
+            self.stop_writing(error)
         self.writer = self.wandb = None
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -54,10 +57,11 @@ class RunLog:
             self.wandb.log(values, step=step)
 
     def stop_writing(self, error):
-        print(f"warning: cannot write {self.metrics.name} ({error.strerror}); the run's records stop here, "
+        print(f"warning: cannot write {self.path} ({error.strerror}); the run's records stop here, "
               f"training goes on and its step lines still print", file=sys.stderr, flush=True)  # fmt: skip
-        with contextlib.suppress(OSError):
-            self.metrics.close()
+        if self.metrics is not None:
+            with contextlib.suppress(OSError):
+                self.metrics.close()
         self.metrics = None
 
     def close(self):
