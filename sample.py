@@ -57,6 +57,7 @@ def parse_args(argv):
 
 
 def generate(cfg, folder):
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer
 
     refuse_remote_code("--init_from", folder)
@@ -64,10 +65,17 @@ def generate(cfg, folder):
         model, report = load_model(folder)
     except pickle.UnpicklingError as error:
         raise ConfigError(refused_weights("--init_from", folder, error)) from None
-    except (OSError, ValueError) as error:  # a broken config.json is a ValueError, missing weights an OSError
+    except (
+        OSError,
+        ValueError,
+        TypeError,
+        StrictDataclassError,
+    ) as error:  # a config.json of broken JSON, of
+        # fields of the wrong type; missing weights (OSError)
+        why = options.quoted(" ".join(str(error).split()), 300)
         raise ConfigError(
-            f"--init_from={folder}: cannot load the model ({str(error).strip().splitlines()[0]}); it needs "
-            f"the config.json and model.safetensors that training exports"
+            f"--init_from={folder}: cannot load the model ({why}); it needs the config.json and "
+            "model.safetensors that training exports"
         ) from None
     refuse_another_model(folder, report)
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))

@@ -1,4 +1,5 @@
 import functools
+import json
 import math
 
 import numpy as np
@@ -329,3 +330,20 @@ def test_op_level_checkpointing_gives_the_plain_loss_and_gradients(preset):
     assert results["op"][0] == pytest.approx(results["none"][0], rel=1e-6)
     for with_op, without in zip(results["op"][1], results["none"][1]):
         torch.testing.assert_close(with_op, without, rtol=1e-5, atol=1e-7)
+
+
+def test_an_init_from_config_with_a_field_of_the_wrong_type_is_one_line(tmp_path, capsys):
+    """transformers checks a config's fields with an error that is neither an OSError nor a ValueError: it
+    was a traceback."""
+    from transformers import LlamaConfig
+
+    import train as train_script
+
+    LlamaConfig(hidden_size=64, num_attention_heads=4).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([f"--init_from={tmp_path}"])
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"error: --init_from={tmp_path}: ") and "'hidden_size' expected int" in line, line

@@ -189,14 +189,17 @@ def test_sample_starts_after_a_document_end_and_refuses_what_it_cannot_do(export
     (line,) = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("---")]
     assert line.split()[0] == "511" and len(line.split()) == 4, line
 
-    broken_config, no_weights, worded = (
+    broken_config, typed, no_weights, worded = (
         tmp_path / "broken_config",
+        tmp_path / "typed",
         tmp_path / "no_weights",
         tmp_path / "worded",
     )
-    for copy in (broken_config, no_weights, worded):
+    for copy in (broken_config, typed, no_weights, worded):
         shutil.copytree(model, copy)
     (broken_config / "config.json").write_text("{")
+    config = json.loads((typed / "config.json").read_text())
+    (typed / "config.json").write_text(json.dumps({**config, "n_embd": "abc"}))
     (no_weights / "model.safetensors").unlink()
     save_word_tokenizer(worded)
     cases = [
@@ -208,6 +211,7 @@ def test_sample_starts_after_a_document_end_and_refuses_what_it_cannot_do(export
          f"{model} has no tokenizer (no tokenizer_config.json), so --prompt must be token ids"),
         ([f"--init_from={worded}", "--prompt="], "--prompt is empty: give some text to continue"),
         ([f"--init_from={broken_config}"], f"--init_from={broken_config}: cannot load the model ("),
+        ([f"--init_from={typed}"], "Field 'n_embd' expected int, got str"),  # it was a traceback
         ([f"--init_from={no_weights}"], f"--init_from={no_weights}: cannot load the model ("),
     ]  # fmt: skip
     for args, message in cases:

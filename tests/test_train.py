@@ -329,7 +329,7 @@ def test_a_plain_run_needs_no_port(runs):
         ("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\nrun_name: [*b, *b]\n",
          "an alias (*a); write the value out in "),
         (f"run_name: [{', '.join(['x'] * 10000)}]\n", "... (50,000 characters)"),
-        ("[model, tiny]: 1\n", "a list as a name; write name: value lines in "),  # was a TypeError's traceback
+        ("[model, tiny]: 1\n", "a list as a name; write name: value lines in "),  # a traceback, once
         ("? {model: tiny}\n: 1\n", "a dict as a name; write name: value lines in "),
     ],
 )  # fmt: skip

@@ -9,6 +9,7 @@ import torch
 
 from common.errors import ConfigError
 from common.model_folders import missing_folder
+from common.options import quoted
 
 # The presets are a table: the formatter leaves its layout alone.
 # fmt: off
@@ -70,11 +71,15 @@ def resolve_shape(args):
     import transformers
 
     if args.init_from:
+        from huggingface_hub.errors import StrictDataclassError
+
         missing_folder("--init_from", args.init_from)
         try:
             pretrained = transformers.AutoConfig.from_pretrained(args.init_from, trust_remote_code=False)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"--init_from={args.init_from}: {str(error).splitlines()[0]}") from None
+        except (OSError, ValueError, TypeError, StrictDataclassError) as error:  # the last: a field's type
+            raise ConfigError(
+                f"--init_from={args.init_from}: {quoted(' '.join(str(error).split()), 300)}"
+            ) from None
         config_class, arguments = type(pretrained), pretrained.to_dict()
     elif args.model in MODEL_PRESETS:
         class_name, arguments = MODEL_PRESETS[args.model]
