@@ -190,8 +190,13 @@ def validate(args, shape, data_kind):
     folders = [] if args.dry_run or args.prepare_only else ["checkpoint_dir", "log_dir"]
     if args.data != "dummy" and not args.dry_run:
         folders.append("data_cache")
-    for name in folders:
-        writable_folder(f"--{name}", getattr(args, name))
+    created = []  # removed again if a later folder is refused: a refused run leaves nothing behind
+    try:
+        for name in folders:
+            created += writable_folder(f"--{name}", getattr(args, name))
+    except ConfigError:
+        remove_empty(created)
+        raise
 
 
 def check_ranges(args, shape):
@@ -319,7 +324,7 @@ def check_combinations(args, shape):
 
 def writable_folder(option, path):
     """Creates path and checks a file can be written in it: a folder that cannot be written would fail
-    later, after hours. Checked on every node, as one may lack it."""
+    later, after hours. Checked on every node, as one may lack it. The folders it created, outermost first."""
     dangling = next(
         (part for part in parents(path) if os.path.islink(part) and not os.path.exists(part)), None
     )
@@ -328,14 +333,26 @@ def writable_folder(option, path):
             f"{option}={path}: {dangling} is a symbolic link to {os.readlink(dangling)}, which does not exist"
         )
         raise ConfigError(f"{message}; create its target or point {option} elsewhere", per_node=True)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{option}={path} is a file, not a folder; point it at a folder", per_node=True)
+    missing = [part for part in parents(path) if not os.path.exists(part)]  # nearest first
     try:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path) as file:  # bytes, not an empty file: a full disk has inodes
             file.write(bytes(4096))
             file.flush()
     except OSError as error:
+        remove_empty(missing[::-1])
         message = f"{option}={path} is not writable ({error.strerror}); point it at a writable folder"
         raise ConfigError(message, per_node=True) from None
+    return missing[::-1]
+
+
+def remove_empty(created):
+    """Removes the folders created, in the order given (outermost first), where they are still empty."""
+    for folder in reversed(created):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def parents(path):

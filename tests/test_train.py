@@ -188,6 +188,23 @@ def test_bad_input_is_one_clear_line(args, env, message, capsys, monkeypatch):
     assert message in err and len(err.splitlines()) == 1, err
 
 
+def test_a_refused_folder_leaves_none_of_the_folders_checked_before_it(tmp_path, capsys):
+    """The checkpoint folder is made before the log folder is checked: a refused run left it behind."""
+    import train as train_script
+
+    (tmp_path / "afile").write_text("")
+    for logs, said in (
+        (tmp_path / "afile", "is a file, not a folder"),
+        (tmp_path / "afile" / "logs", "(Not a"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            train_script.main(["--model=tiny", f"--checkpoint_dir={tmp_path}/new/ckpt", f"--log_dir={logs}"])
+        assert exit_info.value.code == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: --log_dir={logs} ") and said in line, line
+        assert sorted(os.listdir(tmp_path)) == ["afile"]
+
+
 def test_a_dangling_symbolic_link_as_checkpoint_dir_is_named(tmp_path, capsys):
     import train as train_script
 
