@@ -49,6 +49,7 @@ from checks.storage import storage_section
 from checks.verdicts import MIN_STORAGE_GBPS
 from checks.world import MODES, SECTIONS, World, start_world
 from common.errors import ConfigError, report_config_error
+from common.files import remove_empty
 from common.node import node_name
 from common.quiet import torchao_for_float8_only
 from run.data.hub import use_cache_if_hub_unreachable
@@ -152,7 +153,12 @@ def parse_args(argv=None):
         "train_args": args.train_args,
     }
     cfg.update({key: value for key, value in vars(args).items() if key in cfg and value is not None})
-    validate(cfg, args, parser)
+    cfg["created_folders"] = []  # where the reports go: removed again if a later check refuses the run
+    try:
+        validate(cfg, args, parser)
+    except SystemExit:
+        remove_empty(cfg["created_folders"])
+        raise
     return cfg
 
 
@@ -225,7 +231,11 @@ def refuse_untimed(args):
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
-    run = train_run(cfg["train_args"]) if cfg["train_args"] else None
+    try:
+        run = train_run(cfg["train_args"]) if cfg["train_args"] else None
+    except SystemExit:
+        remove_empty(cfg["created_folders"])
+        raise
     if cfg["check_only"]:
         return 0
     if cfg["history"]:

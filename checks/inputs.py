@@ -81,16 +81,16 @@ SIZE_OPTIONS = {
 def validate(cfg: dict, args, parser):
     """Everything knowable before the first measurement, so bad input costs nothing."""
     if cfg["report"]:
-        check_report_path(Path(cfg["report"]), parser)
+        check_report_path(Path(cfg["report"]), parser, cfg["created_folders"])
     else:
-        check_folder("--report_dir", Path(cfg["report_dir"]), parser)
+        check_folder("--report_dir", Path(cfg["report_dir"]), parser, cfg["created_folders"])
     found = history_path(cfg)
     if os.path.lexists(found) and not found.is_file():
         option = "--report" if cfg["report"] else "--report_dir"
         parser.error(f"{option}: the history beside the reports, {found}, is not a file; move it away")
     if cfg["outcome"]:
         refuse_existing("--outcome", Path(cfg["outcome"]), parser)
-        check_folder("--outcome", Path(cfg["outcome"]).parent, parser)
+        check_folder("--outcome", Path(cfg["outcome"]).parent, parser, cfg["created_folders"])
     if "storage" in cfg["sections"]:
         check_storage(cfg, parser)
     if "memory" in cfg["sections"]:
@@ -110,13 +110,17 @@ def dangling_link(path: Path) -> Path | None:
     return None
 
 
-def check_folder(option: str, folder: Path, parser):
-    """A folder the reports can go to: created if missing, and writable."""
+def check_folder(option: str, folder: Path, parser, created: list):
+    """A folder the reports can go to: created if missing (added to created, outermost first), and
+    writable."""
     if link := dangling_link(folder):
         parser.error(
             f"{option} {folder}: {link} is a broken symbolic link (to {os.readlink(link)}); "
             "create its target or pass another folder"
         )
+    created.extend(
+        part for part in [*reversed(folder.absolute().parents), folder.absolute()] if not part.exists()
+    )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
@@ -130,14 +134,14 @@ def refuse_existing(option: str, path: Path, parser):
         parser.error(f"{option} {path} already exists; pass a new file name or remove it")
 
 
-def check_report_path(path: Path, parser):
+def check_report_path(path: Path, parser, created: list):
     """--report names a new file: never one that exists, nor one whose node reports would replace others."""
     refuse_existing("--report", path, parser)
     if path.suffix != ".yaml":
         parser.error(f"--report {path}: the report is YAML; pass a name ending in .yaml")
     if taken := sorted(path.parent.glob(f"{glob.escape(path.stem)}_rank*.yaml")):
         parser.error(f"--report {path}: {taken[0]} already exists; pass a new file name or remove it")
-    check_folder("--report", path.parent, parser)
+    check_folder("--report", path.parent, parser, created)
 
 
 def bytes_text(nbytes: float) -> str:

@@ -85,6 +85,14 @@ def set_aside_damaged(path):
     return f"set aside as {aside}"
 
 
+def remove_empty(created):
+    """Removes the folders a refused run created, given outermost first, where they are still empty: a
+    refused run leaves nothing behind."""
+    for folder in reversed(created):
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+
+
 def no_links(path, flags):
     """open()'s opener that never follows a symbolic link at path: in a folder others may write to (a shared
     data cache, a team's logs), a link left at a name this run writes would send the write to a file of their

@@ -128,8 +128,8 @@ class ConfigLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)) and key is not None:  # a list or mapping as a key
-                raise yaml.MarkedYAMLError(problem=f"a {type(key).__name__} as a name; write name: value lines",
-                                           problem_mark=key_node.start_mark)  # fmt: skip
+                problem = f"a {type(key).__name__} as a name; write name: value lines"
+                raise yaml.MarkedYAMLError(problem=problem, problem_mark=key_node.start_mark)
             if key in seen:
                 raise yaml.MarkedYAMLError(problem=f"{key!r} is given twice (first on line {seen[key] + 1})",
                                            problem_mark=key_node.start_mark)  # fmt: skip

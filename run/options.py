@@ -22,6 +22,7 @@ import torch
 
 from common.datasheet import datasheet
 from common.errors import ConfigError
+from common.files import remove_empty
 from common.model_folders import check_weights, missing_folder
 from common.node import available_memory_bytes
 from common.options import declared as declared_in
@@ -346,13 +347,6 @@ def writable_folder(option, path):
         message = f"{option}={path} is not writable ({error.strerror}); point it at a writable folder"
         raise ConfigError(message, per_node=True) from None
     return missing[::-1]
-
-
-def remove_empty(created):
-    """Removes the folders created, in the order given (outermost first), where they are still empty."""
-    for folder in reversed(created):
-        with contextlib.suppress(OSError):
-            os.rmdir(folder)
 
 
 def parents(path):

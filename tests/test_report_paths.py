@@ -95,3 +95,17 @@ def test_storage_space_refusal_shows_the_numbers(tmp_path, capsys):
         "1.0 GB",
         "3.2 TB",
     ]
+
+
+def test_a_refused_benchmark_leaves_no_report_folder_it_made(tmp_path, capsys):
+    """The report folder is made before the other checks: a run refused by them left it behind."""
+    reports = tmp_path / "new" / "reports"
+    for arguments in (
+        ["--only=storage", f"--storage_path={tmp_path / 'missing'}", f"--report={reports / 'r.yaml'}"],
+        ["--only=memory", "--memory_MiB=1", f"--report_dir={reports}"],
+        ["--only=cpu", "--train_args=--model=tiny --batch_size=0", f"--report_dir={reports}", "--check_only"],
+    ):
+        with pytest.raises(SystemExit) as exit_status:
+            benchmark.main(arguments)
+        assert exit_status.value.code == 2 and capsys.readouterr().err.startswith("error: ")
+        assert os.listdir(tmp_path) == []
