@@ -367,6 +367,25 @@ def test_a_broken_line_in_metrics_is_skipped_with_a_warning(tmp_path, capsys):
     assert out.strip() == f"curves: {tmp_path}/curves.png" and (tmp_path / "curves.png").stat().st_size > 0
 
 
+def test_a_step_that_is_no_number_is_skipped_and_a_folder_with_no_steps_is_refused_leaving_nothing(
+    tmp_path, capsys
+):
+    """A step of text did not sort among the numbers: a traceback. With no steps, matplotlib's font cache was
+    written beside the run before the refusal."""
+    run, empty = tmp_path / "logs" / "run", tmp_path / "logs" / "empty"
+    run.mkdir(parents=True)
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit) as exit_info:
+        train_script.main([f"--plot={empty}"])
+    assert exit_info.value.code == 2 and sorted(os.listdir(tmp_path / "logs")) == ["empty", "run"]
+    records = [{"step": 1, "loss": 5.0}, {"step": "a", "loss": 4.0}, {"step": 2, "loss": 4.5}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+    capsys.readouterr()
+    assert train_script.main([f"--plot={run}"]) == 0
+    assert capsys.readouterr().err.strip() == f"warning: {run}/metrics.jsonl line 2 is not a record; skipped"
+
+
 def test_a_full_log_disk_ends_the_records_with_one_warning_not_the_run(small_disks, capsys):
     from run.progress.run_log import RunLog
 

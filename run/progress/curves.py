@@ -25,6 +25,8 @@ def read_records(folder):
                 continue
             try:
                 record = json.loads(line)
+                if type(record["step"]) is not int:  # a step of text would not sort among the numbers
+                    raise TypeError(record["step"])
                 records[record["step"]] = record
             except (ValueError, TypeError, KeyError):  # cut short, as a full disk leaves a line
                 print(f"warning: {path} line {number} is not a record; skipped", file=sys.stderr)
@@ -33,15 +35,14 @@ def read_records(folder):
 
 def plot_curves(folder):
     """<folder>/curves.png: loss and validation loss, learning rate, tokens/s and MFU against the step."""
+    records = read_records(folder)
+    if not records:  # before matplotlib, whose font cache would be written for nothing
+        return None
     matplotlib_writes_under(os.path.dirname(os.path.abspath(folder)))  # the log folder, beside the runs
     import matplotlib
 
     matplotlib.use("Agg")  # no display on a compute node
     import matplotlib.pyplot as plt
-
-    records = read_records(folder)
-    if not records:
-        return None
 
     def series(key):
         logged = [r for r in records if r.get(key) is not None]
