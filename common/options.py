@@ -103,6 +103,8 @@ def parse_args(argv, constants):
             )
         if name not in args:
             raise ConfigError(f"unknown option --{name}{suggestion(name, args, '--')}")
+        if not has_value and bool not in getattr(hints[name], "__args__", (hints[name],)):
+            raise ConfigError(f"--{name} needs a value: write --{name}=VALUE")  # else a name "true" (--wandb)
         args[name] = convert(name, text if has_value else "true", hints[name], "--")
     return types.SimpleNamespace(**args)
 

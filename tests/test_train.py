@@ -101,6 +101,7 @@ def test_sharding_and_checkpointing_modes_compute_the_same_losses(runs, mode_run
         (["--batch_sise=4"], {}, "unknown option --batch_sise; did you mean --batch_size?"),
         (["--batch_size=four"], {}, "--batch_size expects an integer or 'auto', got 'four'"),
         (["--compile=maybe"], {}, "--compile expects true or false"),
+        (["--wandb"], {}, "--wandb needs a value: write --wandb=VALUE"),  # it named a W&B project "true"
         (
             ["--global_batch_size=12", "--batch_size=8"],
             {"WORLD_SIZE": "1"},
