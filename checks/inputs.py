@@ -99,6 +99,24 @@ def validate(cfg: dict, args, parser):
         parser.error("--only=gpu on a machine without a GPU would check nothing; run it on a GPU node")
     if cfg["nccl_max_MiB"] is None:
         cfg["nccl_max_MiB"] = NCCL_MAX_MiB[("cuda" if torch.cuda.is_available() else "cpu", cfg["quick"])]
+    elif {"nccl", "links"} & set(cfg["sections"]):
+        check_collective_size(cfg["nccl_max_MiB"], parser)
+
+
+def check_collective_size(max_mib: int, parser):
+    """The largest collective's input and output, on every rank, fit in half of what a rank has: a GPU's
+    memory, or its share of the node's available memory."""
+    needed = 2 * max_mib * MiB
+    if torch.cuda.is_available():
+        room, whose = torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
+    else:
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        room, whose = available_memory_bytes() / ranks, f"its share of the node's memory ({ranks} ranks)"
+    if needed > room / 2:
+        parser.error(
+            f"--nccl_max_MiB {max_mib}: the largest collective's input and output need {bytes_text(needed)} "
+            f"a rank, more than half of {whose}, {bytes_text(room)}; lower it"
+        )
 
 
 def dangling_link(path: Path) -> Path | None:

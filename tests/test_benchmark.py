@@ -285,6 +285,7 @@ def a_file(tmp_path: Path) -> Path:
         (lambda tmp: ["--skip", "storage", "--memory_MiB", "1"], "it would measure cache, not memory"),
         (lambda tmp: ["--only", "gpu", "--skip", "gpu"], "leave no section to run"),
         (lambda tmp: ["--storage_MiB", "0"], "'0' is not a positive whole number"),
+        (lambda tmp: ["--only", "nccl", "--nccl_max_MiB", str(10**9)], "the largest collective's input and"),
         (lambda tmp: ["--nic_gbps", "0"], "--nic_gbps: '0' is not a positive number"),
         (lambda tmp: ["--gpu_seconds", "inf"], "--gpu_seconds: 'inf' is not a positive number"),
         (lambda tmp: ["--min_storage_GBps", "fast"], "--min_storage_GBps: 'fast' is not a positive number"),
