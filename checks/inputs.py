@@ -111,7 +111,10 @@ def check_collective_size(max_mib: int, parser):
         room, whose = torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
     else:
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        room, whose = available_memory_bytes() / ranks, f"its share of the node's memory ({ranks} ranks)"
+        room, whose = (
+            available_memory_bytes() / ranks,
+            f"its share of the node's memory ({ranks} rank{'s' * (ranks > 1)})",
+        )
     if needed > room / 2:
         parser.error(
             f"--nccl_max_MiB {max_mib}: the largest collective's input and output need {bytes_text(needed)} "
