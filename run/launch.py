@@ -90,10 +90,9 @@ def lock_is_stale(holder, age):
     return age > LOCK_STALE_S
 
 
-def take_run_lock(run_dir):
-    """One trainer per run: rank 0 holds <run_dir>/trainer.lock (host, pid, SLURM job id), its mtime
-    refreshed as a heartbeat. Returns the lock's path; a live holder is a ConfigError naming it."""
-    path = os.path.join(run_dir, RUN_LOCK)
+def own_lock(path):
+    """This launch's lock, <lock>.<host>.<pid>, written whole before it is linked into place as the lock; a
+    ConfigError where it cannot be written."""
     mine = f"{path}.{socket.gethostname()}.{os.getpid()}"
     me = {"host": socket.gethostname(), "pid": os.getpid(), "job_id": os.environ.get("SLURM_JOB_ID")}
     try:
@@ -108,6 +107,14 @@ def take_run_lock(run_dir):
             f"cannot write the run's lock {path} ({error.strerror}); free space there or set another "
             f"--checkpoint_dir"
         ) from None
+    return mine
+
+
+def take_run_lock(run_dir):
+    """One trainer per run: rank 0 holds <run_dir>/trainer.lock (host, pid, SLURM job id), its mtime
+    refreshed as a heartbeat. Returns the lock's path; a live holder is a ConfigError naming it."""
+    path = os.path.join(run_dir, RUN_LOCK)
+    mine = own_lock(path)
     try:
         while True:
             try:
