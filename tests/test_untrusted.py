@@ -273,7 +273,9 @@ def test_a_hub_model_or_tokenizer_that_needs_its_own_code_is_refused_without_ask
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     for option in ("--init_from", "--tokenizer"):
         argv = [sys.executable, "train.py", f"{option}=someone/with-code", "--data=train.py", "--dry_run"]
-        result = subprocess.run(argv, cwd=REPO, env=env, input="y\n", capture_output=True, text=True)
+        result = subprocess.run(
+            argv, cwd=REPO, env=env, input="y\n", capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 2 and not marker.exists(), result.stdout + result.stderr
         [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert "someone/with-code" in line and "custom code" in line, line
