@@ -10,13 +10,12 @@ datasheet (common/datasheet.py), in the shapes people know:
   warning."""
 
 import math
-import os
 import sys
 
 from checks.terminal import printable
 from checks.verdicts import DATASHEET_CHECKS
 from common.datasheet import datasheet
-from common.files import no_links, temporary_beside
+from common.files import replace_atomically
 
 GPU_FIGURES = (("matmul_bf16_TFLOPS", "bf16 matmul, TFLOP/s"), ("copy_GB/s", "HBM copy, GB/s"))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -280,10 +279,7 @@ def draw(report, path):
         fontsize=13,
     )
     try:
-        with temporary_beside(path) as temporary:
-            with open(temporary, "xb", opener=no_links) as file:
-                figure.savefig(file, format="png", dpi=80)
-            os.replace(temporary, path)
+        replace_atomically(path, lambda file: figure.savefig(file, format="png", dpi=80), "xb")
     finally:
         plt.close(figure)
     return [axis.get_title() for axis in (*gpu_axes, *collective_axes, *node_axes)]

@@ -114,12 +114,18 @@ def temporary_beside(path):
         raise
 
 
+def replace_atomically(path, write, mode="x"):
+    """Replaces path in one step with what write(file) writes into a new temporary file beside it (mode "x"
+    for text, "xb" for bytes)."""
+    with temporary_beside(path) as temporary:
+        with open(temporary, mode, opener=no_links) as file:
+            write(file)
+        os.replace(temporary, path)
+
+
 def write_atomically(path, text):
     """Replaces path with text in one step."""
-    with temporary_beside(path) as temporary:
-        with open(temporary, "x", opener=no_links) as file:
-            file.write(text)
-        os.replace(temporary, path)
+    replace_atomically(path, lambda file: file.write(text))
 
 
 def create_atomically(path, text):

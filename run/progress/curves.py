@@ -6,7 +6,7 @@ import os
 import sys
 
 from common.errors import ConfigError
-from common.files import UnsafeFile, matplotlib_writes_under, no_links, read_json, temporary_beside
+from common.files import UnsafeFile, matplotlib_writes_under, read_json, replace_atomically
 from run.progress import goodput
 
 
@@ -82,10 +82,7 @@ def plot_curves(folder):
     figure.tight_layout()
     path = os.path.join(folder, "curves.png")
     try:
-        with temporary_beside(path) as temporary:
-            with open(temporary, "xb", opener=no_links) as file:
-                figure.savefig(file, format="png", dpi=100)
-            os.replace(temporary, path)
+        replace_atomically(path, lambda file: figure.savefig(file, format="png", dpi=100), "xb")
     finally:
         plt.close(figure)
     return path
