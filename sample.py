@@ -16,7 +16,7 @@ import torch
 
 from common import options
 from common.errors import ConfigError, fail
-from common.model_folders import refuse_remote_code
+from common.model_folders import load_errors, refuse_remote_code, why_not_loaded
 from common.quiet import torchao_for_float8_only
 from run.checkpoint.export import export_checkpoint
 from run.checkpoint.safe_load import refused_weights
@@ -57,7 +57,6 @@ def parse_args(argv):
 
 
 def generate(cfg, folder):
-    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoTokenizer
 
     refuse_remote_code("--init_from", folder)
@@ -65,17 +64,10 @@ def generate(cfg, folder):
         model, report = load_model(folder)
     except pickle.UnpicklingError as error:
         raise ConfigError(refused_weights("--init_from", folder, error)) from None
-    except (
-        OSError,
-        ValueError,
-        TypeError,
-        StrictDataclassError,
-    ) as error:  # a config.json of broken JSON, of
-        # fields of the wrong type; missing weights (OSError)
-        why = options.quoted(" ".join(str(error).split()), 300)
+    except load_errors() as error:
         raise ConfigError(
-            f"--init_from={folder}: cannot load the model ({why}); it needs the config.json and "
-            "model.safetensors that training exports"
+            f"--init_from={folder}: cannot load the model ({why_not_loaded(error)}); it needs the "
+            "config.json and model.safetensors that training exports"
         ) from None
     refuse_another_model(folder, report)
     has_tokenizer = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))

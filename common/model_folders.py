@@ -6,6 +6,21 @@ import json
 import os
 
 from common.errors import ConfigError
+from common.options import quoted
+
+
+def load_errors():
+    """What transformers raises for a model folder it cannot load: an OSError (files missing), a ValueError
+    (a config.json that is not JSON), huggingface_hub's StrictDataclassError or a TypeError (a field of the
+    wrong type)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return OSError, ValueError, TypeError, StrictDataclassError
+
+
+def why_not_loaded(error):
+    """transformers' reason, on one line, its start where it is long."""
+    return quoted(" ".join(str(error).split()), 300)
 
 
 def missing_folder(option, value):

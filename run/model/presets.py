@@ -8,8 +8,7 @@ import types
 import torch
 
 from common.errors import ConfigError
-from common.model_folders import missing_folder
-from common.options import quoted
+from common.model_folders import load_errors, missing_folder, why_not_loaded
 
 # The presets are a table: the formatter leaves its layout alone.
 # fmt: off
@@ -71,15 +70,11 @@ def resolve_shape(args):
     import transformers
 
     if args.init_from:
-        from huggingface_hub.errors import StrictDataclassError
-
         missing_folder("--init_from", args.init_from)
         try:
             pretrained = transformers.AutoConfig.from_pretrained(args.init_from, trust_remote_code=False)
-        except (OSError, ValueError, TypeError, StrictDataclassError) as error:  # the last: a field's type
-            raise ConfigError(
-                f"--init_from={args.init_from}: {quoted(' '.join(str(error).split()), 300)}"
-            ) from None
+        except load_errors() as error:
+            raise ConfigError(f"--init_from={args.init_from}: {why_not_loaded(error)}") from None
         config_class, arguments = type(pretrained), pretrained.to_dict()
     elif args.model in MODEL_PRESETS:
         class_name, arguments = MODEL_PRESETS[args.model]
