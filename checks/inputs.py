@@ -16,6 +16,7 @@ from checks.host import l3_cache_bytes
 from checks.timing import MiB
 from checks.world import SECTIONS
 from common.errors import ConfigError, report_config_error
+from common.files import make_folders
 from common.node import available_memory_bytes
 
 # Largest collective message by (device, quick): gloo on CPU is ~100x slower than NCCL on NVLink.
@@ -139,11 +140,8 @@ def check_folder(option: str, folder: Path, parser, created: list):
             f"{option} {folder}: {link} is a broken symbolic link (to {os.readlink(link)}); "
             "create its target or pass another folder"
         )
-    created.extend(
-        part for part in [*reversed(folder.absolute().parents), folder.absolute()] if not part.exists()
-    )
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        created.extend(make_folders(folder))
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as error:
         parser.error(f"{option} {folder}: cannot write there ({error.strerror}); pass a writable folder")

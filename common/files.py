@@ -7,6 +7,7 @@ names: regular files alone, of a bounded size, so that nothing put in their plac
 import contextlib
 import json
 import os
+import pathlib
 import secrets
 import stat
 import time
@@ -83,6 +84,19 @@ def set_aside_damaged(path):
     except OSError:
         return "left as it is"
     return f"set aside as {aside}"
+
+
+def make_folders(path):
+    """Creates path and the folders above it that are missing; returns those it created, outermost first,
+    for remove_empty. Where that fails (OSError), it leaves none of them."""
+    path = pathlib.Path(os.path.abspath(path))
+    missing = [folder for folder in [*reversed(path.parents), path] if not folder.exists()]
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:
+        remove_empty(missing)
+        raise
+    return missing
 
 
 def remove_empty(created):

@@ -22,7 +22,7 @@ import torch
 
 from common.datasheet import datasheet
 from common.errors import ConfigError
-from common.files import remove_empty
+from common.files import make_folders, remove_empty
 from common.model_folders import check_weights, missing_folder
 from common.node import available_memory_bytes
 from common.options import declared as declared_in
@@ -336,17 +336,17 @@ def writable_folder(option, path):
         raise ConfigError(f"{message}; create its target or point {option} elsewhere", per_node=True)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ConfigError(f"{option}={path} is a file, not a folder; point it at a folder", per_node=True)
-    missing = [part for part in parents(path) if not os.path.exists(part)]  # nearest first
+    created = []
     try:
-        os.makedirs(path, exist_ok=True)
+        created = make_folders(path)
         with tempfile.TemporaryFile(dir=path) as file:  # bytes, not an empty file: a full disk has inodes
             file.write(bytes(4096))
             file.flush()
     except OSError as error:
-        remove_empty(missing[::-1])
+        remove_empty(created)
         message = f"{option}={path} is not writable ({error.strerror}); point it at a writable folder"
         raise ConfigError(message, per_node=True) from None
-    return missing[::-1]
+    return created
 
 
 def parents(path):
