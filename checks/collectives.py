@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from checks.timing import GB, MiB, Stopwatch, algbw_GBps, busbw_GBps, median_seconds
+from checks.timing import GB, MiB, algbw_GBps, busbw_GBps, median_seconds
 from checks.world import World
 from common.nccl_tests import BUSBW_FACTORS
+from common.stopwatch import Stopwatch
 
 NCCL_MIN_BYTES = {"cuda": 1 * MiB, "cpu": 64 * 1024}
 # Python and PyTorch's host time per collective call, generously: on a GPU the stream is held this

@@ -2,13 +2,13 @@
 and how bytes and FLOPs are counted (as STREAM and nccl-tests count them; GB = 1e9 bytes).
 """
 
-import itertools
 import statistics
 import time
 
 import torch
 
 from common.nccl_tests import BUSBW_FACTORS
+from common.stopwatch import Stopwatch
 
 GB = 1e9
 MiB = 1 << 20
@@ -32,30 +32,6 @@ def stream_bytes(kernel: str, n_elements: int, itemsize: int = 8) -> int:
 
 def matmul_tflops(n: int, seconds: float) -> float:
     return 2 * n**3 / seconds / 1e12
-
-
-class Stopwatch:
-    """Points in time on a device: CUDA events on its current stream (the device's time, recorded
-    without waiting for it), else the host clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks = []
-
-    def mark(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def intervals(self) -> list:
-        """Seconds between consecutive marks, once the device has reached the last one."""
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [start.elapsed_time(end) / 1e3 for start, end in itertools.pairwise(self.marks)]
-        return [end - start for start, end in itertools.pairwise(self.marks)]
 
 
 def median_seconds(fn, device=CPU_DEVICE, warmup=1, repeats=5, inner=1) -> float:

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from common.stopwatch import Stopwatch
 from run.health.stragglers import RankTimes
 from run.launch import device_mesh
 from run.model.build import build_model, init_weights
@@ -55,19 +56,6 @@ class Measured:
         return self.layer_forward_s / self.accumulation * accumulation
 
 
-def mark(device):
-    """A point in time on the device: a CUDA event on its stream, or the host's clock."""
-    if device.type != "cuda":
-        return time.perf_counter()
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event
-
-
-def between(start, end):
-    return start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start
-
-
 def measure(args, model, model_config, device):
     """Steps model (built for training; its weights are set here, and must be set afresh after) on every rank
     of the process group at once: a Measured, the same on every rank."""
@@ -96,28 +84,25 @@ def timed_steps(args, model, model_config, device, accumulation):
     tokens = torch.randint(0, model_config.vocab_size, shape, generator=generator)
     batches = itertools.repeat((tokens.to(device), tokens.to(device)))
     layer_times = RankTimes(decoder_layers(model), device, args.compile)
-    micro_starts = []
-    hook = model.register_forward_pre_hook(lambda *_: micro_starts.append(mark(device)))
     train_step(model, batches, optimizer, 1, args.grad_clip, StopRequests())
     before = usage()  # compiling's workers are done
 
     def timed():
-        micro_starts.clear()
         layer_times.read()
-        start = mark(device)
+        watch = Stopwatch(device)
+        hook = model.register_forward_pre_hook(lambda *_: watch.mark())  # each micro-step's start
+        watch.mark()
         train_step(model, batches, optimizer, accumulation, args.grad_clip, StopRequests())
-        end = mark(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        middle = accumulation - 2
-        micro = between(micro_starts[1], micro_starts[-1]) / middle if middle > 0 else 0.0
-        return between(start, end), micro, layer_times.read()[0]
+        watch.mark()
+        hook.remove()
+        gaps = watch.intervals()  # to the first micro-step, each micro-step, the last with the optimizer's
+        middle = gaps[2:-1]
+        return sum(gaps), sum(middle) / len(middle) if middle else 0.0, layer_times.read()[0]
 
     timings = []
     while more_steps([step for step, _, _ in timings], device):
         timings.append(timed())
     after = usage()
-    hook.remove()
     layer_times.remove()
     optimizer = None  # its state freed before training's is taken
     gc.collect()
