@@ -335,8 +335,8 @@ def ready(run, stop_requests):
 
 def own_prediction(run, model, model_flops):
     """Before training sets model's weights, on every rank: this run's step measured by stepping model on
-    dummy batches, or as an earlier launch kept it (run/prediction/live.py). Rank 0's LivePrediction; None on
-    the other ranks."""
+    dummy batches, as an earlier launch kept it, or to be taken from its first steps (run/prediction/live.py).
+    Rank 0's LivePrediction; None on the other ranks."""
     local = int(os.environ["LOCAL_WORLD_SIZE"])
     naming = options.names_the_run()
     holds_for = live_prediction.holds_for(run.args, naming, run.device, run.world_size, local)

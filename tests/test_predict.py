@@ -495,3 +495,61 @@ def test_a_kept_prediction_that_cannot_be_removed_is_one_warning_and_the_run_goe
         live.log_window(1.6 * prediction.step_s, 3, {"host:0": (1.6 * prediction.layer_forward_s, 0.0)})
     err = capsys.readouterr().err
     assert err.count(f"warning: cannot remove {kept} (") == 1 and kept.is_dir(), err
+
+
+def test_a_step_too_long_to_time_first_is_predicted_from_the_runs_first_steps_kept_and_reused(
+    tmp_path, capsys, monkeypatch
+):
+    """An eager CPU run whose probe would add more than probe.LIMIT_S (here none may be added) is not stepped
+    on dummy batches: its first 5 s of steps after the first log window, less their wait for data, are its
+    prediction, printed and kept; its next launch prints the kept one and probes nothing."""
+    import torch.distributed as dist
+
+    from run.launch import device_mesh
+    from run.model.build import build_model
+    from run.prediction import live
+
+    cfg = parse_options([*TINY_STEP, "--max_steps=40"])
+    config = presets.build_model_config(validated(cfg))
+    holds_for = {"options": {"model": "tiny"}, "machine": {"device": "CPU, 2 cores"}}
+    monkeypatch.setattr(probe, "LIMIT_S", 0.0)
+    note = (
+        "note: the step is predicted from this run's first steps: timing it before them would add more than"
+    )
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        model = build_model(config, cfg, torch.device("cpu"), device_mesh(cfg, "cpu", 1, 1))
+        first = live.predict_own_step(cfg, model, config, torch.device("cpu"), tmp_path, holds_for, 1e6)
+        out = capsys.readouterr().out
+        assert first.prediction is None and not (tmp_path / step_time.KEPT).exists()
+        assert f"{note} 0 s" in out and "predicted step" not in out, out
+        assert first.log_window(2.0, 1, {"host:0": (0.5, 0.0)}) == {}  # the first window: its warm-up
+        assert first.log_window(1.2, 2, {"host:0": (0.3, 0.2)}) == {}  # 2 s of steps: not yet
+        assert first.log_window(1.1, 3, {"host:0": (0.25, 0.0)}) == {}  # 5.3 s now: predicted
+        out = capsys.readouterr().out
+        line = "predicted step: 1.06 s (measured on this run's first 5 steps after its first log window)"
+        assert line in out and "predicted: 40 steps in" in out and (tmp_path / step_time.KEPT).exists(), out
+        fields = first.log_window(1.4, 3, {"host:0": (0.3, 0.0)})
+        assert fields["predicted_step_s"] == pytest.approx(1.06) and fields["vs_predicted"] > 1.2
+        relaunch = live.predict_own_step(cfg, model, config, torch.device("cpu"), tmp_path, holds_for, 1e6)
+        out = capsys.readouterr().out
+        assert relaunch.prediction.step_s == pytest.approx(1.06) and "kept in the run's log folder" in out
+    finally:
+        dist.destroy_process_group()
+
+
+def test_first_steps_too_far_apart_to_predict_are_refused_once_and_the_run_goes_on(capsys):
+    from run.prediction.live import LivePrediction
+
+    said, unlogged = [], types.SimpleNamespace(global_batch_size=8, seq_length=64, max_steps=0)
+
+    def announce(prediction):
+        said.append(prediction)
+        return step_time.announce(unlogged, prediction, 1, 1e6, None)
+
+    live = LivePrediction(None, announce=announce)
+    live.log_window(2.0, 1, {"host:0": (0.5, 0.0)})
+    for step_s in (0.5, 2.0, 0.5, 2.0, 0.5):
+        assert live.log_window(step_s, 2, {"host:0": (0.2, 0.0)}) == {}
+    out = capsys.readouterr().out
+    assert len(said) == 1 and out == "not predicted: this machine's timings varied by 120%\n", out

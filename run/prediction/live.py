@@ -4,7 +4,10 @@ run whose steps took more than SLOW_RATIO times their prediction in two log wind
 last JUDGED_S seconds of steps, warns in one line naming that part, once, and again only if the gap grows by
 GROWTH more: one slow window is not a slower run (a step the host held up, a profiled step at
 --log_every=1), nor are two short ones on a shared CPU. A kept prediction that the run's steps, judged so,
-put outside SLOW_RATIO either way is dropped, for the next launch to measure again."""
+put outside SLOW_RATIO either way is dropped, for the next launch to measure again. A run that a probe would
+hold up too long takes its prediction from its own first JUDGED_S seconds of steps."""
+
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -21,19 +24,25 @@ JUDGED_S = 5.0
 
 
 class LivePrediction:
-    """prediction: rank 0's Prediction of this run's step; kept_in: the log folder that keeps it for later
-    launches."""
+    """prediction: rank 0's Prediction of this run's step, or None to take it from the run's first steps (of
+    micro_steps micro-steps each), which announce(prediction) prints and keeps (False where it refused it);
+    kept_in: the log folder that keeps it for later launches."""
 
-    def __init__(self, prediction, kept_in=None):
-        self.prediction, self.kept_in, self.recent = prediction, kept_in, []
+    def __init__(self, prediction, kept_in=None, announce=None, micro_steps=1):
+        self.prediction, self.kept_in, self.announce = prediction, kept_in, announce
+        self.micro_steps, self.first_steps, self.recent = micro_steps, [], []
         self.windows, self.slow_in_a_row, self.warned_ratio = 0, 0, 0.0
 
     def log_window(self, step_s, steps, rank_times):
         """The record's fields for a log window of `steps` timed steps of mean time step_s; rank_times: {rank
         name: (compute s, data wait s) per step}, compute being the decoder layers' forward. {} for the first
-        window (it holds the warm-up), or without a step time."""
+        window (it holds the warm-up), without a step time, or until the run's first steps predict it."""
         self.windows += 1
         if step_s is None or self.windows == 1:
+            return {}
+        if self.prediction is None:
+            if self.announce:
+                self.predict_from_first_steps(step_s, steps, rank_times)
             return {}
         predicted, layer_forward = self.prediction.step_s, self.prediction.layer_forward_s
         slowest, (compute_s, _) = max(rank_times.items(), key=lambda item: item[1][0])
@@ -65,6 +74,25 @@ class LivePrediction:
             self.kept_in = None
         return fields
 
+    def predict_from_first_steps(self, step_s, steps, rank_times):
+        """Once the windows after the first hold JUDGED_S seconds of steps, their mean step less its wait for
+        data (which a probe's step holds none of) is the prediction, announced once."""
+        data_s = max(data for _, data in rank_times.values())
+        compute_s = statistics.median(compute for compute, _ in rank_times.values())
+        self.first_steps.append((step_s - data_s, steps, compute_s))
+        counted = sum(count for _, count, _ in self.first_steps)
+        taken = sum(step * count for step, count, _ in self.first_steps)
+        if taken < JUDGED_S:
+            return
+        windows, step = [step for step, _, _ in self.first_steps], taken / counted
+        layer_forward = sum(compute * count for _, count, compute in self.first_steps) / counted
+        spread = (max(windows) - min(windows)) / statistics.median(windows)
+        source = f"this run's first {counted} steps after its first log window"
+        prediction = step_time.Prediction(step, step, step, "measured", source, self.micro_steps,
+                                          layer_forward_s=layer_forward, spread=spread)  # fmt: skip
+        self.prediction = prediction if self.announce(prediction) else None
+        self.announce = None  # announced once; refused, the run goes on unpredicted
+
     def judged(self, seconds, predicted_s):
         """(measured over predicted, seconds) of the fewest latest windows, this one's included, that hold
         JUDGED_S seconds of steps and two windows at least; (0, 0) until the run has taken that long."""
@@ -79,30 +107,39 @@ class LivePrediction:
 
 def predict_own_step(args, model, model_config, device, log_folder, holds_for, model_flops):
     """Before training sets model's weights, on every rank: this run's step as an earlier launch kept it
-    (step_time.py), else measured by stepping model on dummy batches (probe.py). Rank 0 prints it, keeps a
-    prediction measured well, and returns its LivePrediction; the other ranks, or where the probe's timed
+    (step_time.py), else measured by stepping model on dummy batches (probe.py), else, where that would add
+    more than probe.LIMIT_S to an eager run on a CPU, taken from the run's first steps. Rank 0 prints it,
+    keeps a prediction measured well, and returns its LivePrediction; the other ranks, or where the timed
     steps varied too much (one line, and training goes on), None."""
     master, world_size = dist.get_rank() == 0, dist.get_world_size()
     kept = [step_time.kept(log_folder, holds_for) if master else None]
     dist.broadcast_object_list(kept, src=0)  # the probe is collective: every rank must know whether it runs
-    if kept[0]:
-        prediction, made = kept[0]
-        where = f"kept in the run's log folder by its launch of {made}"
-    else:
-        accumulation = args.global_batch_size // (args.batch_size * world_size)
-        source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
-        prediction = step_time.measured(
-            probe.measure(args, model, model_config, device), accumulation, source
-        )
-        where = ""
+    accumulation = args.global_batch_size // (args.batch_size * world_size)
+    if not kept[0]:
+        limit_s = probe.LIMIT_S if device.type == "cpu" and not args.compile else None
+        found = probe.measure(args, model, model_config, device, limit_s)
     if not master:
         return None
     peak = datasheet(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    if not step_time.announce(args, prediction, world_size, model_flops, peak, where):
-        return None
-    if not kept[0]:
-        step_time.keep(log_folder, prediction, holds_for)
-    return LivePrediction(prediction, log_folder)
+
+    def announce(prediction, where=""):
+        """Prints prediction, keeping one measured by this launch; whether it printed it."""
+        printed = step_time.announce(args, prediction, world_size, model_flops, peak, where)
+        if printed and not where:
+            step_time.keep(log_folder, prediction, holds_for)
+        return printed
+
+    if kept[0]:
+        prediction, made = kept[0]
+        where = f"kept in the run's log folder by its launch of {made}"
+    elif found is None:
+        print(f"note: the step is predicted from this run's first steps: timing it before them would add "
+              f"more than {probe.LIMIT_S:g} s", flush=True)  # fmt: skip
+        return LivePrediction(None, log_folder, announce, accumulation)
+    else:
+        source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
+        prediction, where = step_time.measured(found, accumulation, source), ""
+    return LivePrediction(prediction, log_folder) if announce(prediction, where) else None
 
 
 def holds_for(args, names_the_run, device, world_size, processes_per_node):

@@ -23,7 +23,7 @@ from run.health.stragglers import RankTimes
 from run.launch import device_mesh
 from run.model.build import build_model, init_weights
 from run.model.presets import decoder_layers
-from run.model.step import build_optimizer, train_step
+from run.model.step import build_optimizer, model_loss, train_step
 from run.stops import StopRequests
 
 # A step of one micro-step first (it compiles and takes the optimizer's state), then timed steps of up to
@@ -33,6 +33,12 @@ from run.stops import StopRequests
 # micro-steps' mean: four probes of the tiny model gave 8.3-9.9 s a step from one micro-step, 8.8-9.7 s from
 # three; its training steps took 8.6-9.3 s.
 MICRO_STEPS, BUDGET_S, MAX_TIMED, STEADY = 5, 3.0, 12, 0.05
+# What a run's own probe may add to an eager run on a CPU: two timed steps of gpt2 (3 s each on the 2-core
+# machines) and their warm-up added 11.6 s to a run of 8 steps (the median of three pairs of runs with
+# --predict=True and False in turns); such a run's step is taken from its own first steps instead (live.py).
+# One forward tells a probe that would take longer: a warm-up step to tell it added 4-5 s to gpt2's run; with
+# the forward, such pairs of runs took 0.82x as long with the prediction as without (memory it touches first).
+LIMIT_S = 5.0
 
 
 @dataclasses.dataclass
@@ -56,15 +62,18 @@ class Measured:
         return self.layer_forward_s / self.accumulation * accumulation
 
 
-def measure(args, model, model_config, device):
+def measure(args, model, model_config, device, limit_s=None):
     """Steps model (built for training; its weights are set here, and must be set afresh after) on every rank
-    of the process group at once: a Measured, the same on every rank."""
+    of the process group at once: a Measured, the same on every rank; None where one forward says that the
+    probe would take longer than limit_s seconds."""
     world_size = dist.get_world_size()
     accumulation = min(MICRO_STEPS, args.global_batch_size // (args.batch_size * world_size))
     started = time.perf_counter()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         inner = getattr(model, "module", model)
         init_weights(inner, model_config.initializer_range, model_config.num_hidden_layers, args.seed)
+        if not within_limit(args, model, device, accumulation, limit_s):
+            return None
         timings, used = timed_steps(args, model, model_config, device, accumulation)
     everyone = [None] * world_size
     dist.all_gather_object(everyone, (timings, (socket.gethostname(), *used)))
@@ -109,6 +118,22 @@ def timed_steps(args, model, model_config, device, accumulation):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return timings, tuple(None if None in pair else pair[0] - pair[1] for pair in zip(after, before))
+
+
+def within_limit(args, model, device, accumulation, limit_s):
+    """Whether the probe would end within limit_s on every rank (None: no limit), judged by one forward
+    without gradients: a micro-step takes about three (its backward computes twice what the forward does),
+    and the probe a warm-up micro-step and at least BUDGET_S of timed steps, two at the least."""
+    if limit_s is None:
+        return True
+    tokens = torch.zeros(args.batch_size, args.seq_length, dtype=torch.long, device=device)
+    started = time.perf_counter()
+    with torch.no_grad():
+        model_loss(model, tokens, tokens)
+    micro_s = 3 * (time.perf_counter() - started)
+    estimate = torch.tensor(micro_s + max(BUDGET_S, 2 * accumulation * micro_s), device=device)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
+    return estimate.item() <= limit_s
 
 
 def more_steps(steps, device):

@@ -1,9 +1,9 @@
-"""The predicted step, on one of three bases, each named where it is printed: a probe on the run's own devices
-(probe.py), a benchmark report's probe of this very configuration, or a roofline of a report's or a
-datasheet's figures (roofline.py), printed as a range. A prediction measured well is kept in the run's log
-folder with the options and machine it holds for and a checksum, so that a later launch of the run (a
-restart, a requeue) prints it without probing again; one the run's own steps contradict is removed (live.py
-decides when)."""
+"""The predicted step, on one of three bases, each named where it is printed: measured on the run's own
+devices (a probe, probe.py, or the run's first steps, live.py), a benchmark report's probe of this very
+configuration, or a roofline of a report's or a datasheet's figures (roofline.py), printed as a range. A
+prediction measured well is kept in the run's log folder with the options and machine it holds for and a
+checksum, so that a later launch of the run (a restart, a requeue) prints it without probing again; one the
+run's own steps contradict is removed (live.py decides when)."""
 
 import dataclasses
 import hashlib
