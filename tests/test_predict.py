@@ -7,6 +7,7 @@ holds a training run's live step against its prediction.)"""
 
 import copy
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -553,3 +554,36 @@ def test_first_steps_too_far_apart_to_predict_are_refused_once_and_the_run_goes_
         assert live.log_window(step_s, 2, {"host:0": (0.2, 0.0)}) == {}
     out = capsys.readouterr().out
     assert len(said) == 1 and out == "not predicted: this machine's timings varied by 120%\n", out
+
+
+def test_the_forward_that_finds_a_probe_too_long_leaves_training_as_if_it_never_ran():
+    """probe.measure with no time to spare runs one forward without gradients and returns None; the weights
+    training then sets are the ones its steps use (FSDP would keep its root's gathered from that forward):
+    three steps' losses and gradient norms equal those of a model no forward touched, bit for bit."""
+    import torch.distributed as dist
+
+    from run.launch import device_mesh
+    from run.model.build import build_model, init_weights
+    from run.model.step import build_optimizer, train_step
+    from run.stops import StopRequests
+
+    cfg = parse_options([*TINY_STEP, "--global_batch_size=4"])
+    config = presets.build_model_config(validated(cfg))
+    tokens = torch.randint(0, config.vocab_size, (4, 64), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        steps = []
+        for probed in (False, True):
+            model = build_model(config, cfg, torch.device("cpu"), device_mesh(cfg, "cpu", 1, 1))
+            if probed:
+                assert probe.measure(cfg, model, config, torch.device("cpu"), limit_s=0.0) is None
+            init_weights(model, config.initializer_range, config.num_hidden_layers, cfg.seed)
+            optimizer = build_optimizer(model, cfg, fused=False)
+            batches = itertools.repeat((tokens, tokens))
+            taken = [
+                train_step(model, batches, optimizer, 1, cfg.grad_clip, StopRequests()) for _ in range(3)
+            ]
+            steps.append([(loss.item(), grad_norm) for loss, grad_norm, _ in taken])
+        assert steps[0] == steps[1], steps
+    finally:
+        dist.destroy_process_group()

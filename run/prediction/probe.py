@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from common.stopwatch import Stopwatch
 from run.health.stragglers import RankTimes
@@ -131,6 +132,9 @@ def within_limit(args, model, device, accumulation, limit_s):
     with torch.no_grad():
         model_loss(model, tokens, tokens)
     micro_s = 3 * (time.perf_counter() - started)
+    for module in model.modules():  # FSDP leaves the root's gathered after a forward without gradients: the
+        if isinstance(module, FSDPModule):  # weights set after would not be the ones the next forward uses
+            module.reshard()
     estimate = torch.tensor(micro_s + max(BUDGET_S, 2 * accumulation * micro_s), device=device)
     dist.all_reduce(estimate, op=dist.ReduceOp.MAX)
     return estimate.item() <= limit_s
