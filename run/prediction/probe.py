@@ -38,7 +38,7 @@ MICRO_STEPS, BUDGET_S, MAX_TIMED, STEADY = 5, 3.0, 12, 0.05
 # machines) and their warm-up added 11.6 s to a run of 8 steps (the median of three pairs of runs with
 # --predict=True and False in turns); such a run's step is taken from its own first steps instead (live.py).
 # One forward tells a probe that would take longer: a warm-up step to tell it added 4-5 s to gpt2's run; with
-# the forward, such pairs of runs took 0.82x as long with the prediction as without (memory it touches first).
+# the forward, such pairs of runs took 1.02x as long with the prediction as without (0.95-1.09).
 LIMIT_S = 5.0
 
 
