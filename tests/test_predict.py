@@ -113,7 +113,11 @@ def test_a_probe_that_varied_is_refused_and_one_made_on_a_busy_machine_is_never_
     assert step_time.refusal(varied) == (
         "not predicted: this machine's timings varied by 80%, and other work took 40% of its cores"
     )
-    busy = dataclasses.replace(quiet, others=0.3)
+    crowded = dataclasses.replace(quiet, others=0.4)
+    assert step_time.refusal(crowded) == (
+        "not predicted: other work took 40% of the cores while this machine's timings were made"
+    )
+    busy = dataclasses.replace(quiet, others=0.2)
     assert step_time.refusal(busy) is None and not busy.measured_well
     step_time.keep(tmp_path, busy, holds_for)
     assert not (tmp_path / step_time.KEPT).exists() and "is not kept" in capsys.readouterr().out
@@ -180,8 +184,9 @@ def run_main(capsys, *args):
 def test_the_dry_run_says_its_basis_this_cpu_measured_a_reports_probe_or_a_roofline(tmp_path, capsys):
     code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=1", *TINY_STEP, "--max_steps=10",
                          f"--log_dir={tmp_path}")  # fmt: skip
-    # A busy machine (CI's) may vary the probe's steps by more than half: then it says so instead.
-    if not re.search(r"^not predicted: this machine's timings varied by \d+%", out, re.M):
+    # On a busy machine (CI's) the probe's steps may vary by more than half, or other work take more than a
+    # quarter of the cores: then it says so instead.
+    if not re.search(r"^not predicted: (this machine's timings varied|other work took) ", out, re.M):
         assert code == 0 and re.search(r"^predicted step: [\d.e-]+ s \(measured on this machine's CPU, one "
                                        r"process\)$", out, re.M), out  # fmt: skip
         assert re.search(r"^predicted: [\d,]+ tokens/s per device$", out, re.M), out
@@ -397,8 +402,9 @@ def test_the_benchmark_probes_a_configuration_on_its_ranks_and_the_dry_run_predi
     assert model["measured"]["step_s"] > 0 and model["measured"]["accumulation"] == 1
     code, out = run_main(capsys, "--dry_run", "--gpu=cpu", "--world_size=2", *train_args,
                          f"--benchmark_report={report}")  # fmt: skip
-    # On a busy machine (CI's) the probe's steps may lie more than half apart: the dry run then says so.
-    varied = "not predicted: the benchmark report's timings varied by" in out
+    # On a busy machine (CI's) the probe's steps may lie more than half apart, or other work take more than a
+    # quarter of the cores: the dry run then says so.
+    varied = re.search(r"^not predicted: .*the benchmark report's timings (varied|were made)", out, re.M)
     source = f"(from benchmark report {report}'s timings of this configuration on its 2 ranks)"
     assert code == 0 and (varied or source in out), out
 
