@@ -3,10 +3,11 @@ predicted one and the part that differs most, in the log line, the run's records
 run whose steps took more than SLOW_RATIO times their prediction in two log windows in a row, and over its
 last JUDGED_S seconds of steps, warns in one line naming that part, once, and again only if the gap grows by
 GROWTH more: one slow window is not a slower run (a step the host held up, a profiled step at
---log_every=1), nor are two short ones on a shared CPU. A kept prediction that the run's steps, judged so,
-put outside SLOW_RATIO either way is dropped, for the next launch to measure again. A run that a probe would
-hold up too long takes its prediction from its own first JUDGED_S seconds of steps."""
+--log_every=1), nor a few seconds of slow steps on a shared CPU. A kept prediction that the run's steps,
+judged so, put outside SLOW_RATIO either way is dropped, for the next launch to measure again. A run that a
+probe would hold up too long takes its prediction from its own first FIRST_STEPS_S seconds of steps."""
 
+import os
 import statistics
 
 import torch
@@ -17,21 +18,25 @@ from run.prediction import probe, step_time
 
 # A healthy run lies within a few percent of a measured prediction (docs/PERFORMANCE.md); a rank slowed by
 # 1.3x slows the step past this. Judged over seconds, not single windows: the CPU quick start's windows of
-# 1.25 s, on a quiet 2-core machine, lay 0.72-1.26x its prediction one by one, and 0.85-1.17x four at a time.
+# 1.25 s, on a quiet 2-core machine, lay 0.72-1.26x its prediction one by one, and 0.85-1.17x four at a time;
+# in one of five quick starts on another 2-core machine, a rank computed 1.65x its prediction for the run's
+# last 4 s, nothing of the run's own doing: its steps took 1.29x over their last 5.6 s, 1.12x over 10 s.
 SLOW_RATIO = 1.2
 GROWTH = 0.25
-JUDGED_S = 5.0
+JUDGED_S = 10.0
+# Where a probe would take longer than it may, the run's own first steps predict its step: as many seconds.
+FIRST_STEPS_S = probe.LIMIT_S
 
 
 class LivePrediction:
     """prediction: rank 0's Prediction of this run's step, or None to take it from the run's first steps (of
-    micro_steps micro-steps each), which announce(prediction) prints and keeps (False where it refused it);
-    kept_in: the log folder that keeps it for later launches."""
+    micro_steps micro-steps each, ranks_here ranks on rank 0's host), which announce(prediction) prints and
+    keeps (False where it refused it); kept_in: the log folder that keeps it for later launches."""
 
-    def __init__(self, prediction, kept_in=None, announce=None, micro_steps=1):
+    def __init__(self, prediction, kept_in=None, announce=None, micro_steps=1, ranks_here=1):
         self.prediction, self.kept_in, self.announce = prediction, kept_in, announce
-        self.micro_steps, self.first_steps, self.recent = micro_steps, [], []
-        self.windows, self.slow_in_a_row, self.warned_ratio = 0, 0, 0.0
+        self.micro_steps, self.ranks_here, self.first_steps, self.recent = micro_steps, ranks_here, [], []
+        self.windows, self.slow_in_a_row, self.warned_ratio, self.since = 0, 0, 0.0, None
 
     def log_window(self, step_s, steps, rank_times):
         """The record's fields for a log window of `steps` timed steps of mean time step_s; rank_times: {rank
@@ -39,6 +44,7 @@ class LivePrediction:
         window (it holds the warm-up), without a step time, or until the run's first steps predict it."""
         self.windows += 1
         if step_s is None or self.windows == 1:
+            self.since = self.since or probe.usage()  # where the first steps that may predict the step start
             return {}
         if self.prediction is None:
             if self.announce:
@@ -75,21 +81,26 @@ class LivePrediction:
         return fields
 
     def predict_from_first_steps(self, step_s, steps, rank_times):
-        """Once the windows after the first hold JUDGED_S seconds of steps, their mean step less its wait for
-        data (which a probe's step holds none of) is the prediction, announced once."""
+        """Once the windows after the first hold FIRST_STEPS_S seconds of steps, their mean step less its wait
+        for data (which a probe's step holds none of) is the prediction, announced once, with the share of
+        the host's cores that other work took meanwhile, as a probe measures it (this host's ranks taken to
+        use what rank 0 used)."""
         data_s = max(data for _, data in rank_times.values())
         compute_s = statistics.median(compute for compute, _ in rank_times.values())
         self.first_steps.append((step_s - data_s, steps, compute_s))
         counted = sum(count for _, count, _ in self.first_steps)
         taken = sum(step * count for step, count, _ in self.first_steps)
-        if taken < JUDGED_S:
+        if taken < FIRST_STEPS_S:
             return
         windows, step = [step for step, _, _ in self.first_steps], taken / counted
         layer_forward = sum(compute * count for _, count, compute in self.first_steps) / counted
         spread = (max(windows) - min(windows)) / statistics.median(windows)
+        cpu, busy, wall = probe.usage_since(self.since)
+        others = probe.others_share([("here", cpu * self.ranks_here, busy, wall)])
         source = f"this run's first {counted} steps after its first log window"
         prediction = step_time.Prediction(step, step, step, "measured", source, self.micro_steps,
-                                          layer_forward_s=layer_forward, spread=spread)  # fmt: skip
+                                          layer_forward_s=layer_forward, spread=spread,
+                                          others=others)  # fmt: skip
         self.prediction = prediction if self.announce(prediction) else None
         self.announce = None  # announced once; refused, the run goes on unpredicted
 
@@ -135,7 +146,8 @@ def predict_own_step(args, model, model_config, device, log_folder, holds_for, m
     elif found is None:
         print(f"note: the step is predicted from this run's first steps: timing it before them would add "
               f"more than {probe.LIMIT_S:g} s", flush=True)  # fmt: skip
-        return LivePrediction(None, log_folder, announce, accumulation)
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        return LivePrediction(None, log_folder, announce, accumulation, ranks_here)
     else:
         source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
         prediction, where = step_time.measured(found, accumulation, source), ""

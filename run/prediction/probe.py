@@ -112,13 +112,13 @@ def timed_steps(args, model, model_config, device, accumulation):
     timings = []
     while more_steps([step for step, _, _ in timings], device):
         timings.append(timed())
-    after = usage()
+    used = usage_since(before)
     layer_times.remove()
     optimizer = None  # its state freed before training's is taken
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return timings, tuple(None if None in pair else pair[0] - pair[1] for pair in zip(after, before))
+    return timings, used
 
 
 def within_limit(args, model, device, accumulation, limit_s):
@@ -160,6 +160,11 @@ def usage():
     except (OSError, ValueError):
         busy = None
     return sum(os.times()[:2]), busy, time.perf_counter()
+
+
+def usage_since(before):
+    """usage() since before, each figure's difference (None where unknown)."""
+    return tuple(None if None in pair else pair[0] - pair[1] for pair in zip(usage(), before))
 
 
 def others_share(everyone):
