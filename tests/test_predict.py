@@ -562,6 +562,7 @@ def host_where_others_take(monkeypatch, share):
 
 
 ON_TIME = "predicted step: 1.03 s (measured on this run's first 6 steps after its first log window)"
+CROWDED = "not predicted: other work took 40% of the cores while this machine's timings were made"
 
 
 @pytest.mark.parametrize(
@@ -569,12 +570,7 @@ ON_TIME = "predicted step: 1.03 s (measured on this run's first 6 steps after it
     [
         ((1.0, 1.1, 1.0), 0.0, ON_TIME, True),
         ((1.0, 1.1, 1.0), 0.2, ON_TIME, False),  # printed; not for later launches
-        (
-            (1.0, 1.1, 1.0),
-            0.4,
-            "not predicted: other work took 40% of the cores while this machine's timings were made",
-            False,
-        ),  # fmt: skip
+        ((1.0, 1.1, 1.0), 0.4, CROWDED, False),
         ((0.5, 2.0, 0.5), 0.0, "not predicted: this machine's timings varied by 120%", False),
     ],
 )
