@@ -521,7 +521,7 @@ def test_a_step_too_long_to_time_first_is_predicted_from_the_runs_first_steps_ke
 
     cfg = parse_options([*TINY_STEP, "--max_steps=40"])
     config = presets.build_model_config(validated(cfg))
-    holds_for = {"options": {"model": "tiny"}, "machine": {"device": "CPU, 2 cores"}}
+    holds_for = live.holds_for(cfg, ["model"], torch.device("cpu"), 1, 1)
     monkeypatch.setattr(probe, "LIMIT_S", 0.0)
     host_where_others_take(monkeypatch, 0.0)
     note = (

@@ -7,7 +7,6 @@ GROWTH more: one slow window is not a slower run (a step the host held up, a pro
 judged so, put outside SLOW_RATIO either way is dropped, for the next launch to measure again. A run that a
 probe would hold up too long takes its prediction from its own first FIRST_STEPS_S seconds of steps."""
 
-import os
 import statistics
 
 import torch
@@ -146,7 +145,7 @@ def predict_own_step(args, model, model_config, device, log_folder, holds_for, m
     elif found is None:
         print(f"note: the step is predicted from this run's first steps: timing it before them would add "
               f"more than {probe.LIMIT_S:g} s", flush=True)  # fmt: skip
-        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        ranks_here = holds_for["machine"]["processes_per_node"]
         return LivePrediction(None, log_folder, announce, accumulation, ranks_here)
     else:
         source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
