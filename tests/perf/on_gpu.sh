@@ -11,12 +11,15 @@
 #    the dry run's simulated peak, and a two-step profile of each (tests/perf/trace_summary.py);
 # 3. float8's loss against bf16's: gpt2 (124M) for 200 steps from the same seed on a corpus made of this
 #    repository's text (tests/perf/learnable_corpus.py), the two runs side by side on the GPU;
-# 4. the 4b with `full` (on an 80 GB GPU: `op` with --cpu_offload), and gpt2-xl at seq 1024 without
-#    checkpointing, the same figures as 2;
+# 4. gpt2-xl at seq 1024 in each checkpointing mode (none, op, full, selective), and without checkpointing
+#    once more with --predict=False: what predicting adds to the time to the first step; then the 4b with
+#    `full` (on an 80 GB GPU: `op` with --cpu_offload); the same figures as 2;
 # 5. a plain loop of bf16 torch.mm at 8192^3 and 2048x2048x13312.
-# Each training run predicts its own step (copies of the model stepped on the GPU) and logs its steps against
-# that. float8 needs torchao and a GPU of compute capability 8.9 or newer; --cpu-smoke runs it through
-# tests/float8_on_cpu.py, which allows it on the CPU.
+# PARTS="2 4" runs those parts alone (default: all). Each training run predicts its own step (the real model
+# stepped on the GPU before its weights are set) and logs its steps against that; its figures give the time
+# to its first step and the probe's seconds in it. Every run compiles into a cache of its own, cold, as a
+# user's first run does. float8 needs torchao and a GPU of compute capability 8.9 or newer; --cpu-smoke runs
+# it through tests/float8_on_cpu.py, which allows it on the CPU.
 #
 # OUTDIR gets figures.txt (every figure, in order), log.txt (each step's output), and the same figures as
 # JSON: run_<name>.json, trace_<name>.json, losses.json, matmul.json, benchmark.yaml. A step that fails or
@@ -38,6 +41,8 @@ FIGURES=$OUT/figures.txt LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 
 say() { echo "$*" | tee -a "$FIGURES"; }
+PARTS=" ${PARTS:-1 2 3 4 5} "
+part() { [[ $PARTS == *" $1 "* ]]; }
 
 if ((SMOKE)); then
     PY=${PYTHON:-$REPO/.venv/bin/python}
@@ -83,10 +88,13 @@ EOF
 )
 cd "$REPO" || exit 1
 
-# Figures of `python train.py --dry_run --world_size=1 --seq_length=2048` at batch 8 (gpt2-xl: seq 1024, batch
-# 16, no checkpointing; _float8: with --float8), compiled as the runs are, run beforehand on CPU with torch
-# 2.13, which the GPU image lacks: the simulated peak to hold max_memory_allocated against.
-declare -A SIMULATED_GB=([op]=82.9 [full]=68.8 [op_offload]=34.7 [gpt2-xl]=60.8 [op_float8]=83.2 [full_float8]=69.3)
+# Figures of `python train.py --dry_run --world_size=1 --seq_length=2048` at batch 8 and the run's
+# --activation_checkpointing (gpt2-xl: seq 1024, batch 16; _float8: with --float8), compiled as the runs
+# are, run beforehand on CPU with torch 2.13, which the GPU image lacks: the peak to hold
+# max_memory_allocated against.
+declare -A SIMULATED_GB=([op]=82.9 [full]=68.8 [op_offload]=34.7 [op_float8]=83.2 [full_float8]=69.3
+    [gpt2-xl_none]=60.8 [gpt2-xl_unpredicted]=60.8 [gpt2-xl_op]=43.3 [gpt2-xl_full]=27.3
+    [gpt2-xl_selective]=42.7)
 ((SMOKE)) && SIMULATED_GB=()
 
 # Trains until step $steps is logged, then kills the run: the 4b's final checkpoint (48 GB) would take
@@ -96,14 +104,18 @@ declare -A SIMULATED_GB=([op]=82.9 [full]=68.8 [op_offload]=34.7 [gpt2-xl]=60.8 
 train_run() {
     local name=$1 steps=$2
     shift 2
-    local metrics=$WORK/logs/$name/metrics.jsonl start=$SECONDS
-    setsid "$PY" "$SCRIPT" "${MODEL[@]}" \
+    local metrics=$WORK/logs/$name/metrics.jsonl output=$WORK/output_$name.txt start=$SECONDS limit
+    limit=$(within "$TRAIN_LIMIT")
+    if ((limit < 20)); then
+        say "$name: skipped, the script's $DEADLINE s are spent"
+        return 0
+    fi
+    TORCHINDUCTOR_CACHE_DIR=$WORK/inductor_$name setsid "$PY" "$SCRIPT" "${MODEL[@]}" \
         --data=dummy --batch_size=$BATCH --global_batch_size=$BATCH --max_steps=1000 --warmup_steps=10 \
         --log_every=1 --eval_every=0 --checkpoint_every=1000 --tensorboard=False --curves=False \
         --hang_minimum_s=600 --log_dir="$WORK/logs" --checkpoint_dir="$WORK/checkpoints" --run_name="$name" \
-        "$@" >>"$LOG" 2>&1 &
-    local pid=$! limit
-    limit=$(within "$TRAIN_LIMIT")
+        "$@" >"$output" 2>&1 &
+    local pid=$!
     until grep -qs "\"step\": $steps," "$metrics"; do
         if ! kill -0 "$pid" 2>/dev/null; then
             say "$name: the run ended before step $steps (see log.txt)"
@@ -117,8 +129,9 @@ train_run() {
     done
     kill -KILL -- "-$pid" 2>/dev/null
     wait "$pid" 2>/dev/null
+    { echo "=== $name"; cat "$output"; } >>"$LOG"
     "$PY" tests/perf/on_gpu_figures.py "$metrics" --name="$name" --simulated_gb="${SIMULATED_GB[$name]:-0}" \
-        --skip_steps="$PROFILE" --json="$OUT/run_$name.json" 2>>"$LOG" | tee -a "$FIGURES"
+        --skip_steps="$PROFILE" --output="$output" --json="$OUT/run_$name.json" 2>>"$LOG" | tee -a "$FIGURES"
 }
 
 DEADLINE=${DEADLINE:-570}  # seconds for the whole script (a device tool may end a command at 600)
@@ -184,7 +197,9 @@ loss_check() {
         "$WORK/logs/loss_float8/metrics.jsonl" --json="$OUT/losses.json" 2>>"$LOG" | tee -a "$FIGURES"
 }
 
-if ((GPU_GB > 0)); then
+if ! part 1; then
+    :
+elif ((GPU_GB > 0)); then
     step "1. benchmark.py's GPU section" 90 "$PY" benchmark.py --only=gpu --report_dir="$WORK/report"
     cp "$WORK"/report/*.yaml "$OUT/benchmark.yaml" 2>/dev/null
 else
@@ -197,25 +212,40 @@ if ((GPU_GB >= 120 || SMOKE)); then
 else
     FIRST=full SECOND=(op_offload "$OFFLOAD_STEPS" --activation_checkpointing=op --cpu_offload=True)
 fi
-say "--- 2. $FIRST, traced at steps $PROFILE"
-train_run "$FIRST" "$STEPS" --activation_checkpointing=$FIRST --profile_steps="$PROFILE"
-summarise "$FIRST"
-if [[ -n $FLOAT8 ]]; then
-    say "--- 2. $FIRST with --float8: skipped, $FLOAT8"
-else
-    say "--- 2. $FIRST with --float8, traced at steps $PROFILE"
-    train_run "${FIRST}_float8" "$STEPS" --activation_checkpointing=$FIRST --float8=True \
-        --profile_steps="$PROFILE"
-    summarise "${FIRST}_float8"
+if part 2; then
+    say "--- 2. $FIRST, traced at steps $PROFILE"
+    train_run "$FIRST" "$STEPS" --activation_checkpointing=$FIRST --profile_steps="$PROFILE"
+    summarise "$FIRST"
+    if [[ -n $FLOAT8 ]]; then
+        say "--- 2. $FIRST with --float8: skipped, $FLOAT8"
+    else
+        say "--- 2. $FIRST with --float8, traced at steps $PROFILE"
+        train_run "${FIRST}_float8" "$STEPS" --activation_checkpointing=$FIRST --float8=True \
+            --profile_steps="$PROFILE"
+        summarise "${FIRST}_float8"
+    fi
+fi
+if part 3; then
     say "--- 3. float8's loss against bf16's"
-    loss_check
+    if [[ -n $FLOAT8 ]]; then
+        say "skipped, $FLOAT8"
+    else
+        loss_check
+    fi
 fi
 
-say "--- 4. ${SECOND[0]}"
-train_run "${SECOND[@]}"
-say "--- 4. gpt2-xl"
-(BATCH=$XL_BATCH MODEL=("${XL_MODEL[@]}") TRAIN_LIMIT=$XL_LIMIT
-    train_run gpt2-xl "$XL_STEPS" --activation_checkpointing=none)
-step "5. plain bf16 torch.mm loop" 40 "$PY" tests/perf/matmul_loop.py "${MATMUL[@]}" --json="$OUT/matmul.json"
+if part 4; then
+    for mode in none unpredicted op full selective; do
+        say "--- 4. gpt2-xl, checkpointing ${mode/unpredicted/none, --predict=False}"
+        flags=(--activation_checkpointing=$mode)
+        [[ $mode == unpredicted ]] && flags=(--activation_checkpointing=none --predict=False)
+        (BATCH=$XL_BATCH MODEL=("${XL_MODEL[@]}") TRAIN_LIMIT=$XL_LIMIT
+            train_run "gpt2-xl_$mode" "$XL_STEPS" "${flags[@]}")
+    done
+    say "--- 4. ${SECOND[0]}"
+    train_run "${SECOND[@]}"
+fi
+part 5 && step "5. plain bf16 torch.mm loop" 40 "$PY" tests/perf/matmul_loop.py "${MATMUL[@]}" \
+    --json="$OUT/matmul.json"
 summaries
 say "--- done in $SECONDS s; files: $(cd "$OUT" && ls | tr '\n' ' ')"

@@ -1,15 +1,18 @@
 """One line of figures from a run's metrics.jsonl (logged every step): median step time, tokens/s and MFU
 over the steps after the first (compilation) and outside the profiled ones, the step the run predicted for
 itself, and the largest max_memory_allocated of those steps beside the dry run's simulated peak (which is a
-later step's), with the first step's apart (compiling can take more once).
+later step's), with the first step's apart (compiling can take more once). From the run's output (--output)
+and its log folder: the time to its first step, the seconds its probe took (prediction.json, which holds a
+prediction measured well), and the lines that refused its prediction or warned of a slower run.
 Used by tests/perf/on_gpu.sh.
 
     python tests/perf/on_gpu_figures.py logs/<run>/metrics.jsonl --name=op --simulated_gb=98.8 \
-        --skip_steps=20,21
+        --skip_steps=20,21 --output=run_output.txt
 """
 
 import argparse
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -36,6 +39,21 @@ def figures(records, skip):
     }
 
 
+def from_output(output, log_folder):
+    """The time to the first step, the probe's seconds, and the refusals and warnings, where they were."""
+    text = Path(output).read_text(errors="replace") if output and Path(output).is_file() else ""
+    first = re.search(r"time to first step: ([0-9.]+) s", text)
+    kept = log_folder / "prediction.json"
+    probe_s = json.loads(kept.read_text())["prediction"]["probe_s"] if kept.is_file() else None
+    flagged = [
+        line
+        for line in text.splitlines()
+        if line.startswith(("not predicted: this", "not predicted: other", "warning: steps"))
+    ]
+    return {"time_to_first_step_s": float(first.group(1)) if first else None, "probe_s": probe_s,
+            "refused_or_warned": flagged}  # fmt: skip
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -44,13 +62,19 @@ def main():
     parser.add_argument("--name", required=True)
     parser.add_argument("--simulated_gb", type=float, default=0.0, help="the dry run's peak; 0: none")
     parser.add_argument("--skip_steps", default="", help="A,B: the profiled steps, left out of the timings")
+    parser.add_argument("--output", help="the run's output, for its time to the first step and its warnings")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     path = Path(args.metrics)
     records = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     skip = [int(step) for step in args.skip_steps.split(",") if step]
     skip = set(range(skip[0], skip[-1] + 1)) if skip else set()
-    result = dict(figures(records, skip), name=args.name, simulated_peak_GB=args.simulated_gb or None)
+    result = dict(
+        figures(records, skip),
+        name=args.name,
+        simulated_peak_GB=args.simulated_gb or None,
+        **from_output(args.output, path.parent),
+    )
     if not result["steps_timed"]:
         print(f"{args.name}: no timed step logged")
     else:
@@ -68,6 +92,14 @@ def main():
             f"max_memory_allocated {memory} (dry run {args.simulated_gb or 'n/a'} GB), "
             f"loss {result['first_loss']:.3f} -> {result['last_loss']:.3f}"
         )
+    first, probe_s = result["time_to_first_step_s"], result["probe_s"]
+    if first is not None:
+        print(
+            f"{args.name}: time to first step {first:.1f} s"
+            + (f", the probe's {probe_s:.1f} s in it" if probe_s else "")
+        )
+    for line in result["refused_or_warned"]:
+        print(f"{args.name}: {line}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
