@@ -32,8 +32,10 @@ from run.stops import StopRequests
 # lie more than STEADY apart on any rank), their median counting: on a quiet 2-core machine steps varied by
 # 10-30% one to the next, and two alone put gpt2's step 32% high in one run, 13% low in the next. The middle
 # micro-steps' mean: four probes of the tiny model gave 8.3-9.9 s a step from one micro-step, 8.8-9.7 s from
-# three; its training steps took 8.6-9.3 s.
-MICRO_STEPS, BUDGET_S, MAX_TIMED, STEADY = 5, 3.0, 12, 0.05
+# three; its training steps took 8.6-9.3 s. A GPU's steps lie within a few percent of each other (gpt2-xl
+# compiled on one H200: 0.349-0.364 s), and there 3 s of timed steps added 3.0 s to a first step that took
+# 15.0 s without the probe: on a GPU they add up to GPU_BUDGET_S.
+MICRO_STEPS, BUDGET_S, GPU_BUDGET_S, MAX_TIMED, STEADY = 5, 3.0, 0.5, 12, 0.05
 # What a run's own probe may add to an eager run on a CPU: two timed steps of gpt2 (3 s each on the 2-core
 # machines) and their warm-up added 11.6 s to a run of 8 steps (the median of three pairs of runs with
 # --predict=True and False in turns); such a run's step is taken from its own first steps instead (live.py).
@@ -142,7 +144,8 @@ def within_limit(args, model, device, accumulation, limit_s):
 
 def more_steps(steps, device):
     """Whether every rank takes another timed step: any rank that has not yet timed enough says so."""
-    wanted = len(steps) < 2 or (sum(steps) < BUDGET_S and len(steps) < MAX_TIMED)
+    budget_s = GPU_BUDGET_S if device.type == "cuda" else BUDGET_S
+    wanted = len(steps) < 2 or (sum(steps) < budget_s and len(steps) < MAX_TIMED)
     wanted = wanted or (len(steps) == 2 and spread_of(steps) > STEADY)
     flag = torch.tensor(float(wanted), device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -15,11 +15,12 @@
 #    once more with --predict=False: what predicting adds to the time to the first step; then the 4b with
 #    `full` (on an 80 GB GPU: `op` with --cpu_offload); the same figures as 2;
 # 5. a plain loop of bf16 torch.mm at 8192^3 and 2048x2048x13312.
-# PARTS="2 4" runs those parts alone (default: all). Each training run predicts its own step (the real model
-# stepped on the GPU before its weights are set) and logs its steps against that; its figures give the time
-# to its first step and the probe's seconds in it. Every run compiles into a cache of its own, cold, as a
-# user's first run does. float8 needs torchao and a GPU of compute capability 8.9 or newer; --cpu-smoke runs
-# it through tests/float8_on_cpu.py, which allows it on the CPU.
+# PARTS="2 4" runs those parts alone (default: all); XL_MODES="none unpredicted none.2" picks gpt2-xl's
+# runs. Each training run predicts its own step (the real model stepped on the GPU before its weights are
+# set) and logs its steps against that; its figures give the time to its first step and the probe's seconds
+# in it. Every run compiles into a cache of its own, cold, as a user's first run does. float8 needs torchao
+# and a GPU of compute capability 8.9 or newer; --cpu-smoke runs it through tests/float8_on_cpu.py, which
+# allows it on the CPU.
 #
 # OUTDIR gets figures.txt (every figure, in order), log.txt (each step's output), and the same figures as
 # JSON: run_<name>.json, trace_<name>.json, losses.json, matmul.json, benchmark.yaml. A step that fails or
@@ -235,10 +236,12 @@ if part 3; then
 fi
 
 if part 4; then
-    for mode in none unpredicted op full selective; do
-        say "--- 4. gpt2-xl, checkpointing ${mode/unpredicted/none, --predict=False}"
-        flags=(--activation_checkpointing=$mode)
-        [[ $mode == unpredicted ]] && flags=(--activation_checkpointing=none --predict=False)
+    for mode in ${XL_MODES:-none unpredicted op full selective}; do  # a run again: none.2, unpredicted.2
+        base=${mode%.*}
+        say "--- 4. gpt2-xl, checkpointing ${base/unpredicted/none, --predict=False}"
+        flags=(--activation_checkpointing=$base)
+        [[ $base == unpredicted ]] && flags=(--activation_checkpointing=none --predict=False)
+        SIMULATED_GB[gpt2-xl_$mode]=${SIMULATED_GB[gpt2-xl_$base]:-0}
         (BATCH=$XL_BATCH MODEL=("${XL_MODEL[@]}") TRAIN_LIMIT=$XL_LIMIT
             train_run "gpt2-xl_$mode" "$XL_STEPS" "${flags[@]}")
     done
