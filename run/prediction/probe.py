@@ -33,8 +33,8 @@ from run.stops import StopRequests
 # 10-30% one to the next, and two alone put gpt2's step 32% high in one run, 13% low in the next. The middle
 # micro-steps' mean: four probes of the tiny model gave 8.3-9.9 s a step from one micro-step, 8.8-9.7 s from
 # three; its training steps took 8.6-9.3 s. A GPU's steps lie within a few percent of each other (gpt2-xl
-# compiled on one H200: 0.349-0.364 s), and there 3 s of timed steps added 3.0 s to a first step that took
-# 15.0 s without the probe: on a GPU they add up to GPU_BUDGET_S.
+# compiled on one H200: 0.349-0.364 s): there, 2-3 timed steps (GPU_BUDGET_S) predicted six runs within
+# 3.6%, in every checkpointing mode, as 3 s of them had within 4.1%.
 MICRO_STEPS, BUDGET_S, GPU_BUDGET_S, MAX_TIMED, STEADY = 5, 3.0, 0.5, 12, 0.05
 # What a run's own probe may add to an eager run on a CPU: two timed steps of gpt2 (3 s each on the 2-core
 # machines) and their warm-up added 11.6 s to a run of 8 steps (the median of three pairs of runs with
