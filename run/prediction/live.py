@@ -93,12 +93,11 @@ class LivePrediction:
             return
         windows, step = [step for step, _, _ in self.first_steps], taken / counted
         layer_forward = sum(compute * count for _, count, compute in self.first_steps) / counted
-        spread = (max(windows) - min(windows)) / statistics.median(windows)
         cpu, busy, wall = probe.usage_since(self.since)
         others = probe.others_share([("here", cpu * self.ranks_here, busy, wall)])
         source = f"this run's first {counted} steps after its first log window"
         prediction = step_time.Prediction(step, step, step, "measured", source, self.micro_steps,
-                                          layer_forward_s=layer_forward, spread=spread,
+                                          layer_forward_s=layer_forward, spread=probe.spread_of(windows),
                                           others=others)  # fmt: skip
         self.prediction = prediction if self.announce(prediction) else None
         self.announce = None  # announced once; refused, the run goes on unpredicted
