@@ -18,7 +18,8 @@
 # PARTS="2 4" runs those parts alone (default: all); XL_MODES="none unpredicted none.2" picks gpt2-xl's
 # runs. Each training run predicts its own step (the real model stepped on the GPU before its weights are
 # set) and logs its steps against that; its figures give the time to its first step and the probe's seconds
-# in it. Every run compiles into a cache of its own, cold, as a user's first run does. float8 needs torchao
+# in it, and how often dynamo compiled a function again (TORCH_LOGS=recompiles). Every run compiles into a
+# cache of its own, cold, as a user's first run does. float8 needs torchao
 # and a GPU of compute capability 8.9 or newer; --cpu-smoke runs it through tests/float8_on_cpu.py, which
 # allows it on the CPU.
 #
@@ -111,7 +112,7 @@ train_run() {
         say "$name: skipped, the script's $DEADLINE s are spent"
         return 0
     fi
-    TORCHINDUCTOR_CACHE_DIR=$WORK/inductor_$name setsid "$PY" "$SCRIPT" "${MODEL[@]}" \
+    TORCHINDUCTOR_CACHE_DIR=$WORK/inductor_$name TORCH_LOGS=recompiles setsid "$PY" "$SCRIPT" "${MODEL[@]}" \
         --data=dummy --batch_size=$BATCH --global_batch_size=$BATCH --max_steps=1000 --warmup_steps=10 \
         --log_every=1 --eval_every=0 --checkpoint_every=1000 --tensorboard=False --curves=False \
         --hang_minimum_s=600 --log_dir="$WORK/logs" --checkpoint_dir="$WORK/checkpoints" --run_name="$name" \

@@ -3,7 +3,8 @@ over the steps after the first (compilation) and outside the profiled ones, the 
 itself, and the largest max_memory_allocated of those steps beside the dry run's simulated peak (which is a
 later step's), with the first step's apart (compiling can take more once). From the run's output (--output)
 and its log folder: the time to its first step, the seconds its probe took (prediction.json, which holds a
-prediction measured well), and the lines that refused its prediction or warned of a slower run.
+prediction measured well), dynamo's recompiles, and the lines that refused its prediction or warned of a
+slower run.
 Used by tests/perf/on_gpu.sh.
 
     python tests/perf/on_gpu_figures.py logs/<run>/metrics.jsonl --name=op --simulated_gb=98.8 \
@@ -40,7 +41,8 @@ def figures(records, skip):
 
 
 def from_output(output, log_folder):
-    """The time to the first step, the probe's seconds, and the refusals and warnings, where they were."""
+    """The time to the first step, the probe's seconds, dynamo's recompiles (with TORCH_LOGS=recompiles), and
+    the refusals and warnings, where they were."""
     text = Path(output).read_text(errors="replace") if output and Path(output).is_file() else ""
     first = re.search(r"time to first step: ([0-9.]+) s", text)
     kept = log_folder / "prediction.json"
@@ -51,7 +53,7 @@ def from_output(output, log_folder):
         if line.startswith(("not predicted: this", "not predicted: other", "warning: steps"))
     ]
     return {"time_to_first_step_s": float(first.group(1)) if first else None, "probe_s": probe_s,
-            "refused_or_warned": flagged}  # fmt: skip
+            "recompiles": text.count("Recompiling function"), "refused_or_warned": flagged}  # fmt: skip
 
 
 def main():
@@ -97,6 +99,7 @@ def main():
         print(
             f"{args.name}: time to first step {first:.1f} s"
             + (f", the probe's {probe_s:.1f} s in it" if probe_s else "")
+            + f", {result['recompiles']} recompiles"
         )
     for line in result["refused_or_warned"]:
         print(f"{args.name}: {line}")
