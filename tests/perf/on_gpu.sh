@@ -19,9 +19,8 @@
 # runs. Each training run predicts its own step (the real model stepped on the GPU before its weights are
 # set) and logs its steps against that; its figures give the time to its first step and the probe's seconds
 # in it, and how often dynamo compiled a function again (TORCH_LOGS=recompiles). Every run compiles into a
-# cache of its own, cold, as a user's first run does. float8 needs torchao
-# and a GPU of compute capability 8.9 or newer; --cpu-smoke runs it through tests/float8_on_cpu.py, which
-# allows it on the CPU.
+# cache of its own, cold, as a user's first run does. float8 needs torchao and a GPU of compute capability
+# 8.9 or newer; --cpu-smoke runs it through tests/float8_on_cpu.py, which allows it on the CPU.
 #
 # OUTDIR gets figures.txt (every figure, in order), log.txt (each step's output), and the same figures as
 # JSON: run_<name>.json, trace_<name>.json, losses.json, matmul.json, benchmark.yaml. A step that fails or
@@ -112,9 +111,10 @@ train_run() {
         say "$name: skipped, the script's $DEADLINE s are spent"
         return 0
     fi
-    TORCHINDUCTOR_CACHE_DIR=$WORK/inductor_$name TORCH_LOGS=recompiles setsid "$PY" "$SCRIPT" "${MODEL[@]}" \
-        --data=dummy --batch_size=$BATCH --global_batch_size=$BATCH --max_steps=1000 --warmup_steps=10 \
-        --log_every=1 --eval_every=0 --checkpoint_every=1000 --tensorboard=False --curves=False \
+    TORCHINDUCTOR_CACHE_DIR=$WORK/inductor_$name TORCH_LOGS=recompiles \
+        setsid "$PY" "$SCRIPT" "${MODEL[@]}" --data=dummy --batch_size=$BATCH --global_batch_size=$BATCH \
+        --max_steps=1000 --warmup_steps=10 --log_every=1 --eval_every=0 --checkpoint_every=1000 \
+        --tensorboard=False --curves=False \
         --hang_minimum_s=600 --log_dir="$WORK/logs" --checkpoint_dir="$WORK/checkpoints" --run_name="$name" \
         "$@" >"$output" 2>&1 &
     local pid=$!
