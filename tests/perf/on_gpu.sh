@@ -94,8 +94,7 @@ cd "$REPO" || exit 1
 # are, run beforehand on CPU with torch 2.13, which the GPU image lacks: the peak to hold
 # max_memory_allocated against.
 declare -A SIMULATED_GB=([op]=82.9 [full]=68.8 [op_offload]=34.7 [op_float8]=83.2 [full_float8]=69.3
-    [gpt2-xl_none]=60.8 [gpt2-xl_unpredicted]=60.8 [gpt2-xl_op]=43.3 [gpt2-xl_full]=27.3
-    [gpt2-xl_selective]=42.7)
+    [gpt2-xl_none]=60.8 [gpt2-xl_op]=43.3 [gpt2-xl_full]=27.3 [gpt2-xl_selective]=42.7)
 ((SMOKE)) && SIMULATED_GB=()
 
 # Trains until step $steps is logged, then kills the run: the 4b's final checkpoint (48 GB) would take
@@ -239,10 +238,11 @@ fi
 if part 4; then
     for mode in ${XL_MODES:-none unpredicted op full selective}; do  # a run again: none.2, unpredicted.2
         base=${mode%.*}
+        checkpointing=${base/unpredicted/none}
         say "--- 4. gpt2-xl, checkpointing ${base/unpredicted/none, --predict=False}"
-        flags=(--activation_checkpointing=$base)
-        [[ $base == unpredicted ]] && flags=(--activation_checkpointing=none --predict=False)
-        SIMULATED_GB[gpt2-xl_$mode]=${SIMULATED_GB[gpt2-xl_$base]:-0}
+        flags=(--activation_checkpointing=$checkpointing)
+        [[ $base == unpredicted ]] && flags+=(--predict=False)
+        SIMULATED_GB[gpt2-xl_$mode]=${SIMULATED_GB[gpt2-xl_$checkpointing]:-0}
         (BATCH=$XL_BATCH MODEL=("${XL_MODEL[@]}") TRAIN_LIMIT=$XL_LIMIT
             train_run "gpt2-xl_$mode" "$XL_STEPS" "${flags[@]}")
     done
