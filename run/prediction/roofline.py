@@ -24,7 +24,9 @@ ASSUMED_BUSBW_GBPS = {"intra-node": 360.0, "inter-node": 46.0}
 # Measured steps over their roofline on this project's runs (docs/PERFORMANCE.md, "The predicted step
 # against the measured one"): GPUs, the three compiled runs on one H200 (4b op 1.16, 4b full 1.14, gpt2-xl
 # 1.42); CPUs, every row of tests/perf/bench_prediction.py's grid measured on two 2-core machines, a Xeon
-# (1.25-2.99) and an AMD EPYC (0.98-2.99; 0.85-3.42 with other kernel paths and one thread).
+# (1.25-2.99) and an AMD EPYC (0.98-2.99; 0.85-3.42 with other kernel paths and one thread). The held-out
+# rows of a third, an AMX Xeon, fell inside (1.49-3.09); there ATen's AVX2 and default kernels, beside
+# the matmul library's AMX, took up to 6.2x: the range is for a CPU's own best kernels.
 STEP_OVER_ROOFLINE = {"cuda": (1.14, 1.42), "cpu": (0.85, 3.4)}
 
 
