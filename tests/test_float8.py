@@ -1,7 +1,7 @@
-"""--float8: refused in one line where no GPU computes in float8; on the CPU (tests/float8_on_cpu.py lets
-torch's CPU float8 matmul stand in for the GPU's) a float8 run trains, its checkpoint resumes without
---float8, and its export is plain weights; the dry run simulates float8's tensors and says what it cannot
-time. Speed and loss against bf16 are measured on a GPU: tests/perf/on_gpu.sh."""
+"""--float8: refused in one line where no GPU computes in float8; on the CPU (tests/float8_on_cpu.py lets a
+float32 matmul of the float8 values stand in for the GPU's) a float8 run trains, its checkpoint resumes
+without --float8, and its export is plain weights; the dry run simulates float8's tensors and says what it
+cannot time. Speed and loss against bf16 are measured on a GPU: tests/perf/on_gpu.sh."""
 
 import json
 import os
