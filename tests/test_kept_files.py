@@ -31,7 +31,7 @@ def test_a_relaunch_at_another_global_batch_chooses_again_and_never_trains_witho
     """The choice of the auto options holds only for the options it was made for: a relaunch of the run at
     another global batch chooses again (it took the kept batch of 8, which made a global batch of 4 over 2
     ranks 0 micro-steps: loss 0, grad norm 0, exit 0)."""
-    kept = [*TINY, "--run_name=kept"]
+    kept = [*TINY, "--run_name=kept", "--seq_length=32"]  # each candidate probed: short steps, a short probe
     first = train(tmp_path, *kept, "--activation_checkpointing=auto", "--max_steps=1")
     assert re.search(r"^chose: .*--activation_checkpointing=\w+", first.stdout, re.M), first.stdout
     again = train(tmp_path, *kept, "--batch_size=auto", "--global_batch_size=4", "--max_steps=2")
