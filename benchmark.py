@@ -151,6 +151,7 @@ def parse_args(argv=None):
         "fail_on_warn": args.fail_on_warn,
         "history": args.history,
         "train_args": args.train_args,
+        "skipped": {},  # section: why, for a selected section the checks below cannot run here
     }
     cfg.update({key: value for key, value in vars(args).items() if key in cfg and value is not None})
     cfg["created_folders"] = []  # where the reports go: removed again if a later check refuses the run
@@ -259,7 +260,8 @@ def main(argv=None) -> int:
         for section in SECTIONS:
             section_started = time.perf_counter()
             selected = section in cfg["sections"]
-            local[section] = run_section(section, world, cfg) if selected else {"skipped": "not selected"}
+            why = cfg["skipped"].get(section, "not selected")
+            local[section] = run_section(section, world, cfg) if selected else {"skipped": why}
             section_seconds[section] = time.perf_counter() - section_started
         everyone = [None] * world.size
         dist.all_gather_object(everyone, local, group=world.cpu_group)

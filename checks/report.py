@@ -107,8 +107,9 @@ def cluster_report(everyone: list, world: World, job: dict, cfg: dict) -> dict:
     first = everyone[0]
 
     def per_node(section):
-        if "skipped" in first[section]:
-            return first[section]
+        skipped = next((r[section] for r in leaders if "skipped" in r[section]), None)
+        if skipped:  # on one node skipped is skipped on all: nodes compare with each other
+            return skipped
         return {label[r["node_rank"]]: r[section] for r in leaders}
 
     gpus = first["gpu"]

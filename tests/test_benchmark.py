@@ -200,6 +200,40 @@ def test_a_failing_check_makes_exit_status_1(tmp_path, monkeypatch, capsys):
     assert read_report(tmp_path)["verdict"] == "fail"
 
 
+def test_memory_that_cannot_hold_stream_arrays_of_4x_the_l3_skips_the_section_saying_why(
+    tmp_path, monkeypatch, capsys
+):
+    """A VM of 1 GB on a host of a 480 MB L3 cache: arrays big enough to measure memory, not cache, do not
+    fit. The size is the benchmark's own choice, so the memory section is skipped with why, and the rest
+    runs; asked for alone, or at a size given, it is one line and exit 2."""
+    from checks import inputs
+
+    monkeypatch.setattr(inputs, "l3_cache_bytes", lambda: 480 << 20)
+    monkeypatch.setattr(inputs, "available_memory_bytes", lambda: 1 << 30)
+    previous_handler = signal.getsignal(signal.SIGTERM)
+    try:
+        status = benchmark.main(["--quick", "--only=cpu,memory", "--report_dir", str(tmp_path)])
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
+    capsys.readouterr()
+    report = read_report(tmp_path)
+    why = (
+        "3 arrays of 1920 MiB (at least 4x the 480 MiB L3 cache) need more than half of the 1.1 GB available"
+    )
+    assert status == 0 and report["memory"] == {"skipped": why} and "matmul_fp32_GFLOPS" in str(report["cpu"])
+    assert {"status": "skip", "check": "memory", "value": why}.items() <= next(
+        c for c in report["checks"] if c["check"] == "memory"
+    ).items()
+    for arguments, line in [
+        (["--only=memory"], f"error: --only=memory: {why}"),
+        (["--memory_MiB=2000"], "error: --memory_MiB 2000: 3 arrays need more than half of the 1.1 GB "
+                                "available; not even 1920 fits: --skip=memory"),
+    ]:  # fmt: skip
+        with pytest.raises(SystemExit) as exit_status:
+            benchmark.parse_args([*arguments, "--skip=storage", "--report_dir", str(tmp_path / "refused")])
+        assert exit_status.value.code == 2 and capsys.readouterr().err == line + "\n"
+
+
 def test_datasheet_matches_the_most_specific_name():
     assert datasheet.datasheet("NVIDIA H100 80GB HBM3")["bf16"] == 989.4
     assert datasheet.datasheet("NVIDIA H100 80GB HBM3")["memory_GBps"] == 3350.0
@@ -283,6 +317,10 @@ def a_file(tmp_path: Path) -> Path:
             "each worker writes whole 1 MiB blocks",
         ),
         (lambda tmp: ["--skip", "storage", "--memory_MiB", "1"], "it would measure cache, not memory"),
+        (
+            lambda tmp: ["--skip", "storage", "--memory_MiB", str(10**9)],
+            "3 arrays need more than half of the",
+        ),
         (lambda tmp: ["--only", "gpu", "--skip", "gpu"], "leave no section to run"),
         (lambda tmp: ["--storage_MiB", "0"], "'0' is not a positive whole number"),
         (lambda tmp: ["--only", "nccl", "--nccl_max_MiB", str(10**9)], "the largest collective's input and"),
