@@ -2,8 +2,8 @@
 float32 from the float8 values and their scales, standing in for the GPU's, so that the conversion, the
 checkpoints and the export of a float8 run are tested without a GPU. Torch's own CPU float8 matmul is not
 used: on an AMX Xeon it took 8 s for a 1024 x 256 x 1024 product, 250 times float32's, and a run's six steps
-outlasted the test's timeout. Only the machine check and that matmul are
-replaced (torchao must still import); everything else is train.py as it runs.
+outlasted the test's timeout. Only the machine check and that matmul are replaced (torchao must still
+import); everything else is train.py as it runs.
 
     torchrun --standalone --nproc_per_node=1 tests/float8_on_cpu.py --model=tiny --float8=True ...
 """
