@@ -98,15 +98,16 @@ def with_forked_workers(env, nproc):
     if address is None:
         return env
     python = os.path.join(folder(), "python")
-    if not os.path.exists(python):
-        script = (
-            f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {TESTS!r})\n"
-            "import forked\nforked.worker(sys.argv[1:])\n"
-        )
-        with open(python + ".tmp", "w") as file:
-            file.write(script)
-        os.chmod(python + ".tmp", 0o755)
-        os.rename(python + ".tmp", python)
+    with _lock:  # launches started together (conftest.together) would write it at once
+        if not os.path.exists(python):
+            script = (
+                f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {TESTS!r})\n"
+                "import forked\nforked.worker(sys.argv[1:])\n"
+            )
+            with open(python + ".tmp", "w") as file:
+                file.write(script)
+            os.chmod(python + ".tmp", 0o755)
+            os.rename(python + ".tmp", python)
     return {**env, "PYTHON_EXEC": python, "FORKED_ZYGOTE": address}
 
 
