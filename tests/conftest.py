@@ -70,7 +70,7 @@ def pytest_configure(config):
 # The files in the order their real runs take longest, longest first. pytest-xdist hands out whole files
 # in this order (run.sh: --no-loadscope-reorder), so that no long file starts last and holds one core alone.
 LONGEST_FIRST = [
-    "test_slurm.py",  # mostly waiting on its jobs: the other worker's runs fill the cores meanwhile
+    "test_slurm.py",  # its jobs wait on the queue and limits at times: the other worker fills the cores then
     "test_checkpoint.py",
     "test_quickstart.py",  # five jobs, each started, then stopped
     "test_compiled.py",
