@@ -73,10 +73,19 @@ def zygote_for(env):
 
 
 def folder():
-    """This test process's folder: the zygotes' sockets and the workers' Python; removed as it exits."""
+    """This test process's folder: the zygotes' sockets and the workers' Python, written with it; removed as
+    it exits. Made by the first zygote's start, under the lock."""
     if "folder" not in _zygotes:
         _zygotes["folder"] = tempfile.mkdtemp(prefix="zygote-")
         atexit.register(shutil.rmtree, _zygotes["folder"], ignore_errors=True)
+        script = (
+            f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {TESTS!r})\n"
+            "import forked\nforked.worker(sys.argv[1:])\n"
+        )
+        python = os.path.join(_zygotes["folder"], "python")
+        with open(python, "w") as file:
+            file.write(script)
+        os.chmod(python, 0o755)
     return _zygotes["folder"]
 
 
@@ -97,18 +106,7 @@ def with_forked_workers(env, nproc):
     address = zygote_for(workers_env)
     if address is None:
         return env
-    python = os.path.join(folder(), "python")
-    with _lock:  # launches started together (conftest.together) would write it at once
-        if not os.path.exists(python):
-            script = (
-                f"#!{sys.executable} -S\nimport sys\nsys.path.insert(0, {TESTS!r})\n"
-                "import forked\nforked.worker(sys.argv[1:])\n"
-            )
-            with open(python + ".tmp", "w") as file:
-                file.write(script)
-            os.chmod(python + ".tmp", 0o755)
-            os.rename(python + ".tmp", python)
-    return {**env, "PYTHON_EXEC": python, "FORKED_ZYGOTE": address}
+    return {**env, "PYTHON_EXEC": os.path.join(folder(), "python"), "FORKED_ZYGOTE": address}
 
 
 def run_script(path, args, cwd, env, timeout):
