@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -162,19 +161,9 @@ def test_profile_steps_past_the_run_warn_and_the_trace_ends_with_it(tmp_path):
     assert {"train step 3", "train step 4"} <= names
 
 
-def throttle(pid, stop_event, stopped=0.09, running=0.01):
-    """Slows a process as a throttling node would: cpulimit's way, stopped for a share of the time, and at
-    the lowest priority, which holds it back too while this thread waits to be scheduled on a busy
-    machine."""
-    for thread in os.listdir(f"/proc/{pid}/task"):  # a nice value is each thread's own
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.setpriority(os.PRIO_PROCESS, int(thread), 19)
-    with contextlib.suppress(ProcessLookupError):  # the run ended
-        while not stop_event.is_set():
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(stopped)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(running)
+# Each layer forward's delay on the straggler: its compute at least 0.3 s a step against the others' 0.02 s
+# (0.1 s on a busy machine), so that it stands out in every log window, and steps of about 0.4 s.
+SLOW_LAYER_S = 0.15
 
 
 def slow_run(folder, max_steps):
@@ -204,36 +193,33 @@ def keep_a_prediction(folder):
 
 @pytest.fixture(scope="module")
 def slow_then_stopped(tmp_path_factory):
-    """One 2-process run in two acts, which the tests below read. From the first step rank 1 is throttled
-    (throttle(): pinning it to a core shared with a busy process does not hold on a shared machine, whose
-    scheduler moves other work off that core); log windows are 2 steps. After step 8, once the run has warned
-    that its steps are slower than predicted, at a step it does not checkpoint after, rank 1 is stopped, and
-    rank 0 waits in a collective until its watchdog (limit max(6 s, 4 x median step)) ends the run. Rank 0
-    also profiles steps 2 and 3."""
+    """One 2-process run in two acts, which the tests below read. Rank 1 is a straggler: each of its layers'
+    forwards takes SLOW_LAYER_S longer (tests/slow_rank/); log windows are 2 steps. After step 8, once the run
+    has warned that its steps are slower than predicted, at a step it does not checkpoint after, rank 1 is
+    stopped, and rank 0 waits in a collective until its watchdog (limit max(6 s, 4 x median step)) ends the
+    run. Rank 0 also profiles steps 2 and 3."""
     tmp_path = tmp_path_factory.mktemp("slow")
     keep_a_prediction(tmp_path)
+    slow_rank = {"PYTHONPATH": str(Path(__file__).parent / "slow_rank"), "SLOW_RANK": "1",
+                 "SLOW_LAYER_S": str(SLOW_LAYER_S)}  # fmt: skip
     process = subprocess.Popen(
         torchrun_command("train.py", slow_run(tmp_path, max_steps=60), 2),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={**os.environ, **slow_rank},
     )
-    done, output, stopped_at, reported_at, stopped_step = threading.Event(), [], None, None, None
-    throttler = threading.Thread(target=throttle, args=(None, done))
+    output, stopped_at, reported_at, stopped_step = [], None, None, None
     try:
         for line in process.stdout:
             output.append(line)
-            if line.startswith("time to first step"):  # not before: start-up would take four times as long
+            if line.startswith("time to first step"):
                 rank1 = worker_pids(process.pid)[1]
-                throttler = threading.Thread(target=throttle, args=(rank1, done))
-                throttler.start()
             step = re.match(r"step +(\d+)/", line)
             warned = any(said.startswith("warning: steps take") for said in output)  # over 10 s of steps
             # not at a step the run checkpoints after: rank 0 would wait in the save, whose limit is 30 min
             if step and int(step[1]) >= 8 and int(step[1]) % 3 and warned and stopped_at is None:
-                done.set()
-                throttler.join()
                 os.kill(rank1, signal.SIGSTOP)
                 stopped_at, stopped_step = time.monotonic(), int(step[1])
             if line.startswith("no step for") and reported_at is None:
@@ -241,7 +227,6 @@ def slow_then_stopped(tmp_path_factory):
                 os.kill(rank1, signal.SIGCONT)  # so that torchrun can end it at once
         process.wait(timeout=60)
     finally:
-        done.set()
         process.kill()
     return SimpleNamespace(
         output=output, log="".join(output), folder=tmp_path, run=tmp_path / "slow",
