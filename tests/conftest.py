@@ -253,6 +253,21 @@ def run_training(tmp_path, *args, nproc=2, expect_ok=True, **kwargs):
     return result
 
 
+@pytest.fixture(autouse=True)
+def environment_as_before():
+    """The test process's environment as it was before each test. A script's main() run in it changes it for
+    good: HF_HUB_OFFLINE=1 once the hub is unreachable, TOKENIZERS_PARALLELISM once a tokenizer has run.
+    Left over, either makes every later launch of this process a new interpreter instead of a fork
+    (tests/forked.py serves only environments like its zygotes'): in one run of the suite, most of a
+    worker's later launches, seconds of CPU each. Only what changed is put back, as background threads
+    (test_slurm.py's jobs) may read it meanwhile."""
+    before = dict(os.environ)
+    yield
+    for name in os.environ.keys() - before.keys():
+        del os.environ[name]
+    os.environ.update({name: value for name, value in before.items() if os.environ.get(name) != value})
+
+
 @pytest.fixture
 def train():
     return run_training
