@@ -200,8 +200,9 @@ def slow_then_stopped(tmp_path_factory):
     run. Rank 0 also profiles steps 2 and 3."""
     tmp_path = tmp_path_factory.mktemp("slow")
     keep_a_prediction(tmp_path)
-    slow_rank = {"PYTHONPATH": str(Path(__file__).parent / "slow_rank"), "SLOW_RANK": "1",
-                 "SLOW_LAYER_S": str(SLOW_LAYER_S)}  # fmt: skip
+    hook = str(Path(__file__).parent / "slow_rank")  # before the user's own PYTHONPATH, which it keeps
+    path = os.pathsep.join(filter(None, [hook, os.environ.get("PYTHONPATH")]))
+    slow_rank = {"PYTHONPATH": path, "SLOW_RANK": "1", "SLOW_LAYER_S": str(SLOW_LAYER_S)}
     process = subprocess.Popen(
         torchrun_command("train.py", slow_run(tmp_path, max_steps=60), 2),
         cwd=REPO,
