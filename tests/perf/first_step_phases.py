@@ -16,7 +16,8 @@ import sys
 import time
 
 STARTED = time.perf_counter()
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 import torch._dynamo.utils  # noqa: E402
@@ -81,7 +82,7 @@ def main():
     probe.measure = Steps.probe(probe.measure)
     stamp("imports done")
     sys.argv = ["train.py", *sys.argv[1:]]
-    runpy.run_path(os.path.join(sys.path[0], "train.py"), run_name="__main__")
+    runpy.run_path(os.path.join(REPO, "train.py"), run_name="__main__")
 
 
 if __name__ == "__main__":
