@@ -55,7 +55,6 @@ from common.quiet import torchao_for_float8_only
 from run.data.hub import use_cache_if_hub_unreachable
 from run.data.source import parse_source
 from run.options import parse, run_options
-from run.prediction.probe import benchmark_section
 
 
 def argument_parser():
@@ -276,6 +275,9 @@ def main(argv=None) -> int:
         }
         report = cluster_report(everyone, world, job, cfg)
         if run:
+            # here, not above: only --train_args builds a model, and FSDP's imports cost every rank 0.7 s
+            from run.prediction.probe import benchmark_section
+
             report["model"] = {
                 "train_args": cfg["train_args"],
                 **benchmark_section(*run, world.device, world.local_size),

@@ -44,8 +44,14 @@ from run.data.source import load_tokenizer, parse_source, prepare_data
 from run.health.non_finite import NonFiniteSteps
 from run.health.stragglers import StragglerWatch
 from run.health.watchdog import Watchdog
-from run.model.build import build_model, initialise, never_packed_sequences
-from run.model.presets import build_meta_model, build_model_config, decoder_layers, flops_per_token
+from run.model.build import build_model, initialise
+from run.model.presets import (
+    build_meta_model,
+    build_model_config,
+    decoder_layers,
+    flops_per_token,
+    never_packed_sequences,
+)
 from run.model.step import build_optimizer, evaluate, lr_factor, train_step
 from run.prediction import live as live_prediction
 from run.prediction.plan import has_auto, settle

@@ -29,9 +29,8 @@ from common.options import declared as declared_in
 from common.options import option_nodes, parse_args
 from run.checkpoint.set_aside import REWINDS
 from run.data.source import load_tokenizer, parse_source
-from run.model.build import never_packed_sequences
 from run.model.float8 import check_float8_available, import_torchao
-from run.model.presets import build_meta_model, build_model_config, resolve_shape
+from run.model.presets import build_meta_model, build_model_config, never_packed_sequences, resolve_shape
 from run.progress.profiler import profiled_steps
 from run.report_figures import BadReport, measured_elsewhere, read_report
 

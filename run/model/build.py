@@ -92,16 +92,6 @@ def precision_policy(args):
     )
 
 
-def never_packed_sequences():
-    """Every row of a batch is one window of a corpus, never several documents packed together. transformers
-    asks each batch's position ids whether it is, at every forward: a device-to-host sync each time, and on
-    fake tensors a full seq x seq mask that a real run never allocates. It has no option to say so, so its
-    check is replaced, for the whole process, by one that answers none is."""
-    import transformers.masking_utils
-
-    transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
-
-
 # Op-level selective checkpointing (torchtitan's "op" mode) keeps these outputs of every block and recomputes
 # the rest: attention (the costliest to recompute per byte), every other matmul, and FSDP's reduce-scatter.
 # GPT-2's Conv1D layers are addmm, Llama's linear layers mm (float8's too, as the policy sees them); float8's

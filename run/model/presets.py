@@ -1,5 +1,5 @@
 """The model presets, published shapes without weights, and the transformers config and meta-device model a
-run's shape options make of them; the decoder layers; FLOPs per token."""
+run's shape options make of them; the decoder layers; FLOPs per token; each batch row one sequence."""
 
 import copy
 import difflib
@@ -179,3 +179,13 @@ def hardware_flops_per_token(args, model_config, model, model_flops):
         "op": (redone_forward - attention_forward) / 2,
     }[args.activation_checkpointing]
     return model_flops + recomputed
+
+
+def never_packed_sequences():
+    """Every row of a batch is one window of a corpus, never several documents packed together. transformers
+    asks each batch's position ids whether it is, at every forward: a device-to-host sync each time, and on
+    fake tensors a full seq x seq mask that a real run never allocates. It has no option to say so, so its
+    check is replaced, for the whole process, by one that answers none is."""
+    import transformers.masking_utils
+
+    transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
