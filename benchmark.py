@@ -81,7 +81,8 @@ def argument_parser():
     parser.add_argument(
         "--train_args",
         help="train.py's options for the run to come (e.g. '--model=gpt2 --batch_size=4'): its step's own "
-        "operations and collectives are timed too, for the prediction of its step (the job passes them)",
+        "operations and collectives are timed too, for the prediction of its step (the job passes them; not "
+        "with --predict=False or an option left to auto)",
     )
     parser.add_argument(
         "--history",
@@ -186,7 +187,8 @@ def run_section(section: str, world: World, cfg: dict) -> dict:
 
 def train_run(train_args):
     """(options, model config, the values of the options that name the run) of train.py with these arguments,
-    or None where the run leaves an option to auto (it is chosen as it launches: nothing to time here).
+    or None where the run predicts nothing (--predict=False) or leaves an option to auto (it is chosen as it
+    launches): nothing to time here.
     Options train.py refuses are refused here, before anything is measured (--check_only too): every rank
     checks them, one says why, a line per problem."""
     try:
@@ -209,6 +211,10 @@ def train_run(train_args):
                 f"note: --train_args: {', '.join(auto)} is chosen as train.py launches, so this model's "
                 "step is not timed here (python train.py --plan with these options ranks the choices)"
             )
+        return None
+    if not args.predict:
+        if os.environ.get("RANK", "0") == "0":
+            print("note: --train_args: --predict=False, so this model's step is not timed here")
         return None
     return options
 

@@ -378,11 +378,13 @@ def test_bad_train_args_are_a_line_each_naming_them_and_exit_2_before_any_measur
     assert not list(reports.iterdir())
 
 
-def test_options_left_to_auto_are_not_timed_as_another_configuration_and_say_so(
+def test_options_left_to_auto_or_a_run_without_prediction_are_not_timed_and_say_so(
     tmp_path, capsys, monkeypatch
-):  # noqa: E501
+):
     """--batch_size=auto was a TypeError after the measurements, --sharding=auto timed as full. The job passes
-    its training options, auto ones included: they are checked, and the model's step is left out."""
+    its training options, auto ones included: they are checked, and the model's step is left out; so it is
+    for a run with --predict=False, which has no use for it (it cost each benchmark a model build and a probe
+    on every rank)."""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
@@ -393,6 +395,10 @@ def test_options_left_to_auto_are_not_timed_as_another_configuration_and_say_so(
     note = "note: --train_args: --sharding=auto, --batch_size=auto is chosen as train.py launches, so this "
     assert note in out
     assert benchmark.train_run("--model=tiny --activation_checkpointing=auto") is None
+    assert benchmark.train_run("--model=tiny --predict=False") is None  # a step nobody will predict from
+    note = "note: --train_args: --predict=False, so this model's step is not timed here"
+    assert note in capsys.readouterr().out
+    assert benchmark.train_run("--model=tiny") is not None
 
 
 def without_a_hub(tmp_path, port, credentials=""):
