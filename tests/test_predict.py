@@ -423,6 +423,48 @@ def test_a_run_that_probes_its_step_trains_exactly_as_one_that_does_not(tmp_path
     assert len(runs[True]) == 4 and runs[True] == runs[False], runs
 
 
+def test_a_job_s_run_takes_its_step_from_the_job_s_benchmark_of_it_and_keeps_it(tmp_path):
+    """The job's benchmark probed this very configuration on these nodes (benchmark.py --train_args, its
+    report in $BENCHMARK_REPORT): training predicts from it instead of probing again, and keeps it for a
+    relaunch."""
+    flags = [*TINY, "--predict=True", "--max_steps=2", f"--log_dir={tmp_path}",
+             f"--checkpoint_dir={tmp_path}"]  # fmt: skip
+    args = parse_options(flags)
+    validated(args)
+    naming = {name: getattr(args, name) for name in train_options.names_the_run()}
+    report = written(tmp_path, "job.yaml", {**cpu_report(), "model": probed(0.321, naming, world_size=1)})
+    done = launch("train.py", flags, nproc=0, env={"BENCHMARK_REPORT": str(report)})
+    source = f"from benchmark report {report}'s timings of this configuration on its one rank"
+    assert done.returncode == 0 and f"predicted step: 0.321 s ({source})" in done.stdout, done.stdout[-3000:]
+    (kept,) = tmp_path.glob(f"*/{step_time.KEPT}")
+    assert json.loads(kept.read_text())["prediction"]["basis"] == "report"
+
+
+def test_a_job_s_benchmark_of_other_options_or_made_beside_other_work_is_not_its_run_s_prediction(
+    tmp_path, monkeypatch, capsys
+):
+    from run.prediction.live import without_probe
+
+    holds_for = {"options": {"model": "tiny"}, "machine": {"world_size": 2}}
+    path = tmp_path / "job.yaml"
+    monkeypatch.setenv("BENCHMARK_REPORT", str(path))
+    written(tmp_path, "job.yaml", {**cpu_report(), "model": probed(0.25, {"model": "tiny"})})
+    prediction, where = without_probe(tmp_path, holds_for, 1)
+    assert (prediction.step_s, prediction.basis, where) == (0.25, "report", "")
+    for other in ({"model": probed(0.25, {"model": "gpt2"})}, {"model": probed(0.25, world_size=4)}, {}):
+        written(tmp_path, "job.yaml", {**cpu_report(), **other})
+        assert without_probe(tmp_path, holds_for, 1) is None
+    busy = probed(0.25, {"model": "tiny"})
+    busy["measured"]["others"] = 0.3  # another job took 30% of the cores while the benchmark timed the step
+    written(tmp_path, "job.yaml", {**cpu_report(), "model": busy})
+    assert without_probe(tmp_path, holds_for, 1) is None
+    path.write_text("not: [a report")
+    assert without_probe(tmp_path, holds_for, 1) is None  # the checkpoint's schedule says why, once
+    # a prediction an earlier launch kept comes first
+    step_time.keep(tmp_path, step_time.measured(measured(), 1, "here"), holds_for)
+    assert without_probe(tmp_path, holds_for, 1)[1].startswith("kept in the run's log folder")
+
+
 @SIMULATES
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_the_experts_matmuls_are_simulated_and_counted_in_any_precision(precision):

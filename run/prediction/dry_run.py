@@ -13,7 +13,7 @@ from run.model.presets import flops_per_token, hardware_flops_per_token
 from run.options import gpu_memory_gb, launched_world_size
 from run.prediction import plan, probe, roofline
 from run.prediction.simulate import BLIND_SPOTS, DDP_ESTIMATE, OFFLOAD_ESTIMATE, simulate
-from run.prediction.step_time import announce, measured
+from run.prediction.step_time import announce, measured, reported
 from run.progress.progress import describe_model
 from run.report_figures import newest_report, read_report
 
@@ -82,12 +82,10 @@ def dry_run_predictor(args, world_size):
     report = read_report(path) if path else None
 
     def predictor(options, model_config, work, names_the_run=()):
-        section = (report or {}).get("model") or {}
         same = {name: getattr(options, name) for name in names_the_run}
         accumulation = options.global_batch_size // (options.batch_size * world_size)
-        if section.get("options") == same and section.get("world_size") == world_size:
-            source = f"benchmark report {path}'s timings of this configuration on its {world_size} ranks"
-            return measured(probe.Measured(**section["measured"]), accumulation, source, "report")
+        if report and (found := reported(path, report, same, world_size, accumulation)):
+            return found
         if options.gpu == "cpu" and not args.benchmark_report:
             found = probe.on_this_cpu(options, model_config, world_size)
             processes = f"{world_size} processes" if world_size > 1 else "one process"

@@ -7,6 +7,7 @@ GROWTH more: one slow window is not a slower run (a step the host held up, a pro
 judged so, put outside SLOW_RATIO either way is dropped, for the next launch to measure again. A run that a
 probe would hold up too long takes its prediction from its own first FIRST_STEPS_S seconds of steps."""
 
+import os
 import statistics
 
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from common.datasheet import datasheet
 from run.prediction import probe, step_time
+from run.report_figures import BadReport, read_report
 
 # A healthy run lies within a few percent of a measured prediction (docs/PERFORMANCE.md); a rank slowed by
 # 1.3x slows the step past this. Judged over seconds, not single windows: the CPU quick start's windows of
@@ -116,15 +118,16 @@ class LivePrediction:
 
 def predict_own_step(args, model, model_config, device, log_folder, holds_for, model_flops):
     """Before training sets model's weights, on every rank: this run's step as an earlier launch kept it
-    (step_time.py), else measured by stepping model on dummy batches (probe.py), else, where that would add
-    more than probe.LIMIT_S to an eager run on a CPU, taken from the run's first steps. Rank 0 prints it,
-    keeps a prediction measured well, and returns its LivePrediction; the other ranks, or where the timed
-    steps varied too much (one line, and training goes on), None."""
+    (step_time.py) or the job's benchmark measured it on these nodes, else measured by stepping model on
+    dummy batches (probe.py), else, where that would add more than probe.LIMIT_S to an eager run on a CPU,
+    taken from the run's first steps. Rank 0 prints it, keeps a prediction measured well, and returns its
+    LivePrediction; the other ranks, or where the timed steps varied too much (one line, and training goes
+    on), None."""
     master, world_size = dist.get_rank() == 0, dist.get_world_size()
-    kept = [step_time.kept(log_folder, holds_for) if master else None]
-    dist.broadcast_object_list(kept, src=0)  # the probe is collective: every rank must know whether it runs
     accumulation = args.global_batch_size // (args.batch_size * world_size)
-    if not kept[0]:
+    known = [without_probe(log_folder, holds_for, accumulation) if master else None]
+    dist.broadcast_object_list(known, src=0)  # the probe is collective: every rank must know whether it runs
+    if not known[0]:
         limit_s = probe.LIMIT_S if device.type == "cpu" and not args.compile else None
         found = probe.measure(args, model, model_config, device, limit_s)
     if not master:
@@ -138,18 +141,35 @@ def predict_own_step(args, model, model_config, device, log_folder, holds_for, m
             step_time.keep(log_folder, prediction, holds_for)
         return printed
 
-    if kept[0]:
-        prediction, made = kept[0]
-        where = f"kept in the run's log folder by its launch of {made}"
+    if known[0]:
+        prediction, where = known[0]
     elif found is None:
         print(f"note: the step is predicted from this run's first steps: timing it before them would add "
               f"more than {probe.LIMIT_S:g} s", flush=True)  # fmt: skip
         ranks_here = holds_for["machine"]["processes_per_node"]
         return LivePrediction(None, log_folder, announce, accumulation, ranks_here)
     else:
-        source = f"this run's own {'GPUs' if device.type == 'cuda' else 'CPU'} ({world_size} ranks)"
+        devices = "GPUs" if device.type == "cuda" else "CPU"
+        source = f"this run's own {devices} ({step_time.ranks(world_size)})"
         prediction, where = step_time.measured(found, accumulation, source), ""
     return LivePrediction(prediction, log_folder) if announce(prediction, where) else None
+
+
+def without_probe(log_folder, holds_for, accumulation):
+    """(the Prediction, where it was kept) that needs no probe: the one an earlier launch kept, else the job's
+    benchmark's probe of this configuration on these nodes ($BENCHMARK_REPORT, where: ""), where it measured
+    well (a probe made beside other work is the run's own to make again); None."""
+    if kept := step_time.kept(log_folder, holds_for):
+        prediction, made = kept
+        return prediction, f"kept in the run's log folder by its launch of {made}"
+    path = os.environ.get("BENCHMARK_REPORT")
+    try:
+        report = read_report(path) if path else {}
+    except BadReport:
+        return None  # the checkpoint's schedule, which reads its write rate, warns of it
+    world_size = holds_for["machine"]["world_size"]
+    found = report and step_time.reported(path, report, holds_for["options"], world_size, accumulation)
+    return (found, "") if found and found.measured_well else None
 
 
 def holds_for(args, names_the_run, device, world_size, processes_per_node):

@@ -16,6 +16,7 @@ import time
 import torch
 
 from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
+from run.prediction.probe import Measured
 from run.progress.curves import duration
 
 KEPT = "prediction.json"
@@ -83,6 +84,20 @@ def measured(probed, accumulation, source, basis="measured"):
     return Prediction(step, step, step, basis, source, accumulation, probed.micro_s,
                       probed.layer_forward_at(accumulation), probed.spread, probed.others,
                       probed.seconds)  # fmt: skip
+
+
+def reported(path, report, naming, world_size, accumulation):
+    """The Prediction of benchmark report path's probe of this very configuration (benchmark.py --train_args):
+    the values of the options that name the run as naming, on as many ranks; None where it has none."""
+    section = report.get("model") or {}
+    if section.get("options") != naming or section.get("world_size") != world_size:
+        return None
+    source = f"benchmark report {path}'s timings of this configuration on its {ranks(world_size)}"
+    return measured(Measured(**section["measured"]), accumulation, source, "report")
+
+
+def ranks(count):
+    return "one rank" if count == 1 else f"{count} ranks"
 
 
 def refusal(prediction):
