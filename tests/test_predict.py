@@ -459,7 +459,9 @@ def test_a_job_s_benchmark_of_other_options_or_made_beside_other_work_is_not_its
     written(tmp_path, "job.yaml", {**cpu_report(), "model": busy})
     assert without_probe(tmp_path, holds_for, 1) is None
     path.write_text("not: [a report")
-    assert without_probe(tmp_path, holds_for, 1) is None  # the checkpoint's schedule says why, once
+    assert without_probe(tmp_path, holds_for, 1) is None
+    warning = capsys.readouterr().err
+    assert warning.startswith(f"warning: BENCHMARK_REPORT: {path} is not YAML (") and warning.count("\n") == 1
     # a prediction an earlier launch kept comes first
     step_time.keep(tmp_path, step_time.measured(measured(), 1, "here"), holds_for)
     assert without_probe(tmp_path, holds_for, 1)[1].startswith("kept in the run's log folder")

@@ -9,6 +9,7 @@ probe would hold up too long takes its prediction from its own first FIRST_STEPS
 
 import os
 import statistics
+import sys
 
 import torch
 import torch.distributed as dist
@@ -165,8 +166,9 @@ def without_probe(log_folder, holds_for, accumulation):
     path = os.environ.get("BENCHMARK_REPORT")
     try:
         report = read_report(path) if path else {}
-    except BadReport:
-        return None  # the checkpoint's schedule, which reads its write rate, warns of it
+    except BadReport as error:
+        print(f"warning: BENCHMARK_REPORT: {error}; the step is measured here", file=sys.stderr, flush=True)
+        return None
     world_size = holds_for["machine"]["world_size"]
     found = report and step_time.reported(path, report, holds_for["options"], world_size, accumulation)
     return (found, "") if found and found.measured_well else None
