@@ -164,13 +164,15 @@ def without_probe(log_folder, holds_for, accumulation):
         prediction, made = kept
         return prediction, f"kept in the run's log folder by its launch of {made}"
     path = os.environ.get("BENCHMARK_REPORT")
+    if not path:
+        return None
     try:
-        report = read_report(path) if path else {}
+        report = read_report(path)
     except BadReport as error:
         print(f"warning: BENCHMARK_REPORT: {error}; the step is measured here", file=sys.stderr, flush=True)
         return None
     world_size = holds_for["machine"]["world_size"]
-    found = report and step_time.reported(path, report, holds_for["options"], world_size, accumulation)
+    found = step_time.reported(path, report, holds_for["options"], world_size, accumulation)
     return (found, "") if found and found.measured_well else None
 
 
