@@ -1,6 +1,7 @@
-"""The inputs of the step's prediction, made by hand for tests/test_predict.py: benchmark reports of 8 H100s
-or of a 2-core CPU host, as benchmark.py writes them, with the figures a test gives; a probe's figures and a
-report's model section holding one; a report written to a file, or changed in a copy."""
+"""The inputs of the step's prediction, made by hand for tests/test_predict.py and test_live_prediction.py:
+the options of a tiny run whose step is short; benchmark reports of 8 H100s or of a 2-core CPU host, as
+benchmark.py writes them, with the figures a test gives; a probe's figures and a report's model section
+holding one; a report written to a file, or changed in a copy."""
 
 import copy
 import dataclasses
@@ -9,6 +10,7 @@ import yaml
 
 from run.prediction import probe
 
+TINY_STEP = ["--model=tiny", "--compile=False", "--batch_size=4", "--global_batch_size=8", "--seq_length=64"]
 SIZES = [2**20 * 4**power for power in range(6)]  # 1 MiB to 1 GiB, as the benchmark's default sweep
 
 
