@@ -206,17 +206,15 @@ def train_run(train_args):
         lines = "\n".join(f"--train_args: {line}" for line in str(error).splitlines())
         report_config_error(ConfigError(lines, error.per_node))
     if auto := [f"--{name}=auto" for name in CHOSEN_AS_IT_LAUNCHES if getattr(args, name) == "auto"]:
-        if os.environ.get("RANK", "0") == "0":
-            print(
-                f"note: --train_args: {', '.join(auto)} is chosen as train.py launches, so this model's "
-                "step is not timed here (python train.py --plan with these options ranks the choices)"
-            )
-        return None
-    if not args.predict:
-        if os.environ.get("RANK", "0") == "0":
-            print("note: --train_args: --predict=False, so this model's step is not timed here")
-        return None
-    return options
+        why = f"{', '.join(auto)} is chosen as train.py launches"
+        after = " (python train.py --plan with these options ranks the choices)"
+    elif not args.predict:
+        why, after = "--predict=False", ""
+    else:
+        return options
+    if os.environ.get("RANK", "0") == "0":
+        print(f"note: --train_args: {why}, so this model's step is not timed here{after}")
+    return None
 
 
 # train.py's options that make it do something other than train, and those it may leave to its launch
