@@ -111,13 +111,14 @@ def test_the_dry_run_simulates_float8_weights_gathered_in_float8_and_says_its_ro
 
 def test_a_run_without_float8_never_imports_torchao(tmp_path):
     """transformers would import torchao in every process that imports a model class, at a cost of seconds
-    of CPU at each start (common/quiet.py); a dry run, which builds the model, imports none of it."""
+    of CPU at each start (common/quiet.py); a training run, which builds the model, imports none of it."""
     import subprocess
 
     from conftest import REPO
 
-    args = ["--model=tiny", "--dry_run", "--world_size=1", "--batch_size=8", "--global_batch_size=8"]
-    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}  # and in the processes the dry run starts
+    folders = [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}"]
+    args = [*TINY, "--max_steps=1", "--tensorboard=False", *folders]
+    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}  # and in any process it starts
     result = subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]

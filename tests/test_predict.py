@@ -55,9 +55,10 @@ def test_the_cores_other_work_took_are_the_busiest_hosts_less_the_runs_own():
     assert probe.others_share([("a", 1.0, None, 1.0)]) == 0.0  # no /proc/stat: unknown, not busy
 
 
-def test_a_real_probe_steps_the_runs_own_model_on_this_cpu():
+def test_a_real_probe_steps_the_runs_own_model_on_this_cpu(tmp_path):
     """The tiny model built as training builds it, stepped at three micro-steps (a global batch of twelve)."""
-    cfg = parse_options(["--gpu=cpu", *TINY_STEP, "--global_batch_size=12", "--dry_run", "--world_size=1"])
+    folders = [f"--log_dir={tmp_path}", f"--checkpoint_dir={tmp_path}"]
+    cfg = parse_options([*TINY_STEP, "--global_batch_size=12", *folders])
     config = presets.build_model_config(validated(cfg))
     found = probe.on_this_cpu(cfg, config, 1)
     assert found.accumulation == 3 and found.step_s > found.micro_s > 0 and found.layer_forward_s > 0

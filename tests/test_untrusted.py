@@ -272,11 +272,13 @@ def test_a_hub_model_or_tokenizer_that_needs_its_own_code_is_refused_without_ask
     hub_repo_with_code(tmp_path / "hub", "someone/with-code", marker)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
     for option in ("--init_from", "--tokenizer"):
-        argv = [sys.executable, "train.py", f"{option}=someone/with-code", "--data=train.py", "--dry_run"]
+        prepare = ["--data=train.py", "--prepare_only", f"--data_cache={tmp_path / 'cache'}"]
+        argv = [sys.executable, "train.py", f"{option}=someone/with-code", *prepare]
         result = subprocess.run(
             argv, cwd=REPO, env=env, input="y\n", capture_output=True, text=True, timeout=300
         )
         assert result.returncode == 2 and not marker.exists(), result.stdout + result.stderr
+        assert not (tmp_path / "cache").exists() or not list((tmp_path / "cache").iterdir())
         [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
         assert "someone/with-code" in line and "custom code" in line, line
         assert "[y/N]" not in result.stdout + result.stderr
