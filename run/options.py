@@ -143,9 +143,8 @@ def rebuild_model(saved_options, saved_shape):
 
 def complete(args, shape):
     """Fills in what the options leave to the run: --plan's dry run, the sequence length (the model's
-    positions), the precision
-    (auto: bf16 on a GPU, and in a dry run, which simulates one) and the run's name, a digest of the options
-    that name it (blocks), so that a relaunch of the same run resumes it."""
+    positions), the precision (auto: bf16 on a GPU, and in a dry run, which simulates one) and the run's
+    name, a digest of the options that name it (blocks), so that a relaunch of the same run resumes it."""
     args.dry_run = args.dry_run or args.plan  # a plan is a dry run of every candidate
     if args.seq_length is None:
         args.seq_length = shape.n_positions
@@ -182,9 +181,9 @@ def validate(args, shape, data_kind):
         check_benchmark_report(args)
     if args.dry_run:
         gpu_memory_gb(args.gpu)
-        check_simulating_torch()
     else:
         check_trackers(args)
+    check_simulating_torch(args)
     if args.float8:  # a dry run simulates a GPU: it needs torchao, not one at hand
         (import_torchao if args.dry_run else check_float8_available)()
     folders = [] if args.dry_run or args.prepare_only else ["checkpoint_dir", "log_dir"]
@@ -407,16 +406,29 @@ def gpu_memory_gb(gpu):
     return gpu, sheet["memory_GB"]
 
 
-SIMULATING_TORCH = "2.13"  # the oldest torch whose memory tracker --dry_run trusts
+SIMULATING_TORCH = "2.13"  # the oldest torch whose memory tracker the simulation trusts
+# The options a launch may leave to auto: it keeps the candidates whose simulated peak fits the device.
+CHOSEN_AT_LAUNCH = ("sharding", "activation_checkpointing", "batch_size")
 
 
-def check_simulating_torch():
-    """FSDPMemTracker counted DTensor's sharding propagation (full-size fake tensors) as memory until
-    pytorch/pytorch#183970. Measured on one H100 (gpt2-xl, batch 4): torch 2.11 simulated 48.5 GB, torch 2.13
-    25.5 GB, and torch.cuda.max_memory_allocated was 25.8 GB."""
-    if torch.__version__ < SIMULATING_TORCH:
-        raise ConfigError(
-            f"--dry_run needs torch {SIMULATING_TORCH} or later: torch {torch.__version__}'s memory tracker "
-            "overstates the peak; run it with the pinned torch, which needs no GPU (bash setup.sh; "
-            ".venv/bin/python train.py --dry_run)"
+def check_simulating_torch(args):
+    """--dry_run and the options left to auto, which keep the candidates whose simulated peak fits, refused on
+    a torch whose FSDPMemTracker counted DTensor's sharding propagation (full-size fake tensors) as memory,
+    until pytorch/pytorch#183970. Measured on one H100 (gpt2-xl, batch 4): torch 2.11 simulated 48.5 GB,
+    torch 2.13 25.5 GB, and torch.cuda.max_memory_allocated was 25.8 GB."""
+    if torch.__version__ >= SIMULATING_TORCH:
+        return
+    auto = [f"--{name}=auto" for name in CHOSEN_AT_LAUNCH if getattr(args, name) == "auto"]
+    if args.dry_run:
+        what = "--dry_run"
+        fix = (
+            "run it with the pinned torch, which needs no GPU (bash setup.sh; .venv/bin/python train.py "
+            "--dry_run)"
         )
+    elif auto:
+        what = ", ".join(auto)
+        fix = "give each a value (.venv/bin/python train.py --plan, with the pinned torch, ranks them)"
+    else:
+        return
+    overstates = f"torch {torch.__version__}'s memory tracker overstates the peak"
+    raise ConfigError(f"{what} needs torch {SIMULATING_TORCH} or later: {overstates}; {fix}")

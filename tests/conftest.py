@@ -41,11 +41,11 @@ TINY = [
     "--predict=False",  # tracing and timing the step costs each run seconds; test_predict.py checks it
 ]
 
-# For the tests that simulate a run with --dry_run, which refuses an older torch: on the GPU image's torch
-# 2.11 they are skipped, and the rest of the suite runs.
+# For the tests that simulate a run (--dry_run, --plan, an option left to auto), which an older torch refuses:
+# on the GPU image's torch 2.11 they are skipped, and the rest of the suite runs.
 SIMULATES = pytest.mark.skipif(
     torch.__version__ < options.SIMULATING_TORCH,
-    reason=f"--dry_run needs torch {options.SIMULATING_TORCH} or later",
+    reason=f"simulating a run needs torch {options.SIMULATING_TORCH} or later",
 )
 
 # A stopped rank, named by its last heartbeat (computing while the others wait) or by its silence after it

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch
+from conftest import SIMULATES, launch
 
 import benchmark
 
@@ -120,6 +120,7 @@ def test_bad_train_args_are_a_line_each_naming_them_and_exit_2_before_any_measur
     assert not list(reports.iterdir())
 
 
+@SIMULATES
 def test_options_left_to_auto_or_a_run_without_prediction_are_not_timed_and_say_so(
     tmp_path, capsys, monkeypatch
 ):

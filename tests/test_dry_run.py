@@ -11,6 +11,7 @@ from conftest import REPO, SIMULATES, parse_options, validated
 from torch.torch_version import TorchVersion
 
 import train as train_script
+from common.errors import ConfigError
 from run.model import presets
 from run.prediction import simulate
 
@@ -131,15 +132,32 @@ def test_unknown_gpu_is_one_line(capsys):
     assert "--gpu=H900 is not in the GPU datasheet" in err and len(err.splitlines()) == 1
 
 
-def test_a_torch_whose_tracker_overstates_the_peak_is_refused_in_one_line(capsys, monkeypatch):
-    """torch 2.11's FSDPMemTracker simulated gpt2-xl on one H100 at 48.5 GB; the GPU measured 25.8 GB."""
+@pytest.mark.parametrize(
+    "flags, refused",
+    [
+        (["--dry_run"], "--dry_run"),
+        (["--sharding=auto", "--batch_size=auto"], "--sharding=auto, --batch_size=auto"),
+        (["--activation_checkpointing=auto"], "--activation_checkpointing=auto"),
+        ([], None),  # a run that simulates nothing trains on it
+    ],
+)
+def test_a_torch_whose_tracker_overstates_the_peak_refuses_what_simulates_in_one_line(
+    monkeypatch, tmp_path, flags, refused
+):
+    """torch 2.11's FSDPMemTracker simulated gpt2-xl on one H100 at 48.5 GB; the GPU measured 25.8 GB. The
+    auto options keep the candidates whose simulated peak fits, so they would leave out those that fit."""
     monkeypatch.setattr(train_script.torch, "__version__", TorchVersion("2.11.0+cu130"))
-    with pytest.raises(SystemExit) as exit_info:
-        train_script.main(["--dry_run", "--model=tiny"])
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert "--dry_run needs torch 2.13 or later: torch 2.11.0+cu130's memory tracker" in err
-    assert len(err.splitlines()) == 1
+    logs, checkpoints = tmp_path / "logs", tmp_path / "ckpt"
+    run = ["--model=tiny", "--data=dummy", f"--log_dir={logs}", f"--checkpoint_dir={checkpoints}", *flags]
+    if refused is None:
+        validated(parse_options(run))
+        return
+    # checked as main() checks the options: a ConfigError is one line and exit status 2, before any work
+    with pytest.raises(ConfigError) as error:
+        validated(parse_options(run))
+    said = str(error.value)
+    assert said.startswith(f"{refused} needs torch 2.13 or later: torch 2.11.0+cu130's memory tracker"), said
+    assert len(said.splitlines()) == 1 and not logs.exists() and not checkpoints.exists(), said
 
 
 def test_default_model_is_about_4b():

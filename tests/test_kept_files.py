@@ -12,7 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
-from conftest import ODD, TINY, make_odd, parse_options, read_metrics, validated
+from conftest import ODD, SIMULATES, TINY, make_odd, parse_options, read_metrics, validated
 
 import benchmark
 from common import suspects
@@ -25,6 +25,7 @@ from run.prediction import plan
 from run.progress import run_log
 
 
+@SIMULATES
 def test_a_relaunch_at_another_global_batch_chooses_again_and_never_trains_without_micro_steps(
     train, tmp_path
 ):
@@ -90,6 +91,7 @@ def chooser(**chosen):
     return choose
 
 
+@SIMULATES
 def test_a_kept_choice_is_taken_with_one_line_only_for_what_it_was_chosen_for(tmp_path, capsys, settle):
     args, taking = auto_run(tmp_path, "--batch_size=auto")
     settle(args, tmp_path, chooser(batch_size=4), taking)
@@ -147,6 +149,7 @@ CRAFTED = {
 }
 
 
+@SIMULATES
 @pytest.mark.parametrize("case", CRAFTED)
 def test_a_crafted_choice_sets_nothing_and_is_one_warning_then_made_again(tmp_path, capsys, case, settle):
     options, why = CRAFTED[case]
@@ -164,6 +167,7 @@ def test_a_crafted_choice_sets_nothing_and_is_one_warning_then_made_again(tmp_pa
     assert json.loads(kept.read_text())["options"] == {"batch_size": 8}
 
 
+@SIMULATES
 def test_a_crafted_sharding_is_refused_as_on_the_command_line(tmp_path, capsys, settle):
     args, taking = auto_run(tmp_path, "--sharding=auto")
     bogus = {"sharding": "bogus", "shard_group_size": None}
@@ -173,6 +177,7 @@ def test_a_crafted_sharding_is_refused_as_on_the_command_line(tmp_path, capsys, 
     assert "(--sharding=bogus is not one of: full, grad_op, hybrid, ddp, auto)" in capsys.readouterr().err
 
 
+@SIMULATES
 @pytest.mark.parametrize("kind", ODD)
 def test_a_kept_choice_that_is_not_a_regular_file_is_set_aside_and_made_again(
     tmp_path, capsys, kind, deadline, settle
