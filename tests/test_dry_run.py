@@ -150,7 +150,8 @@ def test_a_torch_whose_tracker_overstates_the_peak_refuses_what_simulates_in_one
     logs, checkpoints = tmp_path / "logs", tmp_path / "ckpt"
     run = ["--model=tiny", "--data=dummy", f"--log_dir={logs}", f"--checkpoint_dir={checkpoints}", *flags]
     if refused is None:
-        validated(parse_options(run))
+        validated(parse_options(run))  # checked through to the folders training writes in
+        assert logs.is_dir() and checkpoints.is_dir()
         return
     # checked as main() checks the options: a ConfigError is one line and exit status 2, before any work
     with pytest.raises(ConfigError) as error:
