@@ -409,26 +409,25 @@ def gpu_memory_gb(gpu):
 SIMULATING_TORCH = "2.13"  # the oldest torch whose memory tracker the simulation trusts
 # The options a launch may leave to auto: it keeps the candidates whose simulated peak fits the device.
 CHOSEN_AT_LAUNCH = ("sharding", "activation_checkpointing", "batch_size")
+PINNED_TRAIN = "bash setup.sh; .venv/bin/python train.py"  # train.py on the pinned torch
 
 
 def check_simulating_torch(args):
-    """--dry_run and the options left to auto, which keep the candidates whose simulated peak fits, refused on
-    a torch whose FSDPMemTracker counted DTensor's sharding propagation (full-size fake tensors) as memory,
-    until pytorch/pytorch#183970. Measured on one H100 (gpt2-xl, batch 4): torch 2.11 simulated 48.5 GB,
-    torch 2.13 25.5 GB, and torch.cuda.max_memory_allocated was 25.8 GB."""
+    """--dry_run, --plan and the options left to auto, which keep the candidates whose simulated peak fits,
+    refused on a torch whose FSDPMemTracker counted DTensor's sharding propagation (full-size fake tensors)
+    as memory, until pytorch/pytorch#183970. Measured on one H100 (gpt2-xl, batch 4): torch 2.11 simulated
+    48.5 GB, torch 2.13 25.5 GB, and torch.cuda.max_memory_allocated was 25.8 GB."""
     if torch.__version__ >= SIMULATING_TORCH:
         return
     auto = [f"--{name}=auto" for name in CHOSEN_AT_LAUNCH if getattr(args, name) == "auto"]
     if args.dry_run:
-        what = "--dry_run"
-        fix = (
-            "run it with the pinned torch, which needs no GPU (bash setup.sh; .venv/bin/python train.py "
-            "--dry_run)"
-        )
+        flag = "--plan" if args.plan else "--dry_run"
+        what = f"{flag} needs"
+        fix = f"run it with the pinned torch, which needs no GPU ({PINNED_TRAIN} {flag})"
     elif auto:
-        what = ", ".join(auto)
-        fix = "give each a value (.venv/bin/python train.py --plan, with the pinned torch, ranks them)"
+        what = ", ".join(auto) + (" need" if len(auto) > 1 else " needs")
+        fix = f"give each a value ({PINNED_TRAIN} --plan ranks them)"
     else:
         return
     overstates = f"torch {torch.__version__}'s memory tracker overstates the peak"
-    raise ConfigError(f"{what} needs torch {SIMULATING_TORCH} or later: {overstates}; {fix}")
+    raise ConfigError(f"{what} torch {SIMULATING_TORCH} or later: {overstates}; {fix}")

@@ -135,9 +135,10 @@ def test_unknown_gpu_is_one_line(capsys):
 @pytest.mark.parametrize(
     "flags, refused",
     [
-        (["--dry_run"], "--dry_run"),
-        (["--sharding=auto", "--batch_size=auto"], "--sharding=auto, --batch_size=auto"),
-        (["--activation_checkpointing=auto"], "--activation_checkpointing=auto"),
+        (["--dry_run"], "--dry_run needs"),
+        (["--plan", "--sharding=auto"], "--plan needs"),
+        (["--sharding=auto", "--batch_size=auto"], "--sharding=auto, --batch_size=auto need"),
+        (["--activation_checkpointing=auto"], "--activation_checkpointing=auto needs"),
         ([], None),  # a run that simulates nothing trains on it
     ],
 )
@@ -157,7 +158,7 @@ def test_a_torch_whose_tracker_overstates_the_peak_refuses_what_simulates_in_one
     with pytest.raises(ConfigError) as error:
         validated(parse_options(run))
     said = str(error.value)
-    assert said.startswith(f"{refused} needs torch 2.13 or later: torch 2.11.0+cu130's memory tracker"), said
+    assert said.startswith(f"{refused} torch 2.13 or later: torch 2.11.0+cu130's memory tracker"), said
     assert len(said.splitlines()) == 1 and not logs.exists() and not checkpoints.exists(), said
 
 
