@@ -54,7 +54,7 @@ from common.node import node_name
 from common.quiet import torchao_for_float8_only
 from run.data.hub import use_cache_if_hub_unreachable
 from run.data.source import parse_source
-from run.options import CHOSEN_AT_LAUNCH, parse, run_options
+from run.options import left_to_auto, parse, run_options
 
 
 def argument_parser():
@@ -205,7 +205,7 @@ def train_run(train_args):
     except ConfigError as error:
         lines = "\n".join(f"--train_args: {line}" for line in str(error).splitlines())
         report_config_error(ConfigError(lines, error.per_node))
-    if auto := [f"--{name}=auto" for name in CHOSEN_AT_LAUNCH if getattr(args, name) == "auto"]:
+    if auto := left_to_auto(args):
         why = f"{', '.join(auto)} is chosen as train.py launches"
         after = " (python train.py --plan with these options ranks the choices)"
     elif not args.predict:

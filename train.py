@@ -54,7 +54,7 @@ from run.model.presets import (
 )
 from run.model.step import build_optimizer, evaluate, lr_factor, train_step
 from run.prediction import live as live_prediction
-from run.prediction.plan import has_auto, settle
+from run.prediction.plan import settle
 from run.progress import goodput, run_log
 from run.progress.curves import plot_run
 from run.progress.profiler import StepProfiler
@@ -273,7 +273,7 @@ def start(args, shape, tokenizer, model_config, meta_model, folders):
     started = time.perf_counter()
     try:
         device, rank, world_size, mesh = launch.setup_distributed(args, folders.log_folder)
-        if has_auto(args):
+        if options.left_to_auto(args):
             taking = functools.partial(options.taking_choice, args, shape)
             settle(args, model_config, count_parameters(meta_model), folders.log_folder, device, taking)
             mesh = launch.device_mesh(args, device.type, world_size, int(os.environ["LOCAL_WORLD_SIZE"]))

@@ -412,6 +412,11 @@ CHOSEN_AT_LAUNCH = ("sharding", "activation_checkpointing", "batch_size")
 PINNED_TRAIN = "bash setup.sh; .venv/bin/python train.py"  # train.py on the pinned torch
 
 
+def left_to_auto(args):
+    """The options args leaves to auto, as the command line gives them (--sharding=auto, ...)."""
+    return [f"--{name}=auto" for name in CHOSEN_AT_LAUNCH if getattr(args, name) == "auto"]
+
+
 def check_simulating_torch(args):
     """--dry_run, --plan and the options left to auto, which keep the candidates whose simulated peak fits,
     refused on a torch whose FSDPMemTracker counted DTensor's sharding propagation (full-size fake tensors)
@@ -419,12 +424,11 @@ def check_simulating_torch(args):
     48.5 GB, torch 2.13 25.5 GB, and torch.cuda.max_memory_allocated was 25.8 GB."""
     if torch.__version__ >= SIMULATING_TORCH:
         return
-    auto = [f"--{name}=auto" for name in CHOSEN_AT_LAUNCH if getattr(args, name) == "auto"]
     if args.dry_run:
         flag = "--plan" if args.plan else "--dry_run"
         what = f"{flag} needs"
         fix = f"run it with the pinned torch, which needs no GPU ({PINNED_TRAIN} {flag})"
-    elif auto:
+    elif auto := left_to_auto(args):
         what = ", ".join(auto) + (" need" if len(auto) > 1 else " needs")
         fix = f"give each a value ({PINNED_TRAIN} --plan ranks them)"
     else:

@@ -10,7 +10,7 @@ import types
 from common.datasheet import datasheet
 from common.errors import ConfigError
 from run.model.presets import flops_per_token, hardware_flops_per_token
-from run.options import gpu_memory_gb, launched_world_size
+from run.options import gpu_memory_gb, launched_world_size, left_to_auto
 from run.prediction import plan, probe, roofline
 from run.prediction.simulate import BLIND_SPOTS, DDP_ESTIMATE, OFFLOAD_ESTIMATE, simulate
 from run.prediction.step_time import announce, measured, reported
@@ -30,7 +30,7 @@ def report_dry_run(args, shape, model_config, meta_model, names_the_run):
     gpu_name, gpu_gb = gpu_memory_gb(args.gpu)
     world_size = launched_world_size(args)
     n_params = describe_model(args, shape, model_config, meta_model)
-    if args.plan or plan.has_auto(args):
+    if args.plan or left_to_auto(args):
         started = time.perf_counter()
         if args.gpu != "cpu" and not datasheet(args.gpu) and not args.benchmark_report:
             raise ConfigError(f"--plan and the auto options rank candidates by their step, which nothing "

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from common.errors import ConfigError
 from common.files import UnsafeFile, read_json, set_aside_damaged, write_atomically
 from common.node import available_memory_bytes
-from run.options import CHOSEN_AT_LAUNCH
 from run.prediction import probe
 from run.prediction.step_time import this_machine
 
@@ -123,10 +122,6 @@ def fastest(rows):
     if not fitting:
         raise ConfigError(NONE_FITS)
     return fitting[0][0]
-
-
-def has_auto(args):
-    return any(getattr(args, name) == AUTO for name in CHOSEN_AT_LAUNCH)
 
 
 def settle(args, model_config, n_params, log_folder, device, taking):
