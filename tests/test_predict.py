@@ -67,8 +67,20 @@ def test_a_real_probe_steps_the_runs_own_model_on_this_cpu(tmp_path):
         prediction.step_s == pytest.approx(found.step_s + 2 * found.micro_s)
         and prediction.basis == "measured"
     )
-    assert re.fullmatch(r"predicted step: [\d.e-]+ s = 5 micro-steps of [\d.e-]+ s \+ the rest [\d.e-]+ s "
-                        r"\(measured on this machine's CPU\)", prediction.line())  # fmt: skip
+    assert re.fullmatch(r"predicted step: [\d.e-]+ s = 5 micro-steps of [\d.e-]+ s \+ the rest ([\d.e-]+ s|"
+                        r"under the timings' noise) \(measured on this machine's CPU\)", prediction.line())  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "step_s, said",
+    [
+        (8.0, "= 32 micro-steps of 0.243 s + the rest 0.224 s"),  # the optimizer's step and the first's extra
+        (7.76, "= 32 micro-steps of 0.243 s + the rest under the timings' noise"),  # 7.776 s of micro-steps
+    ],
+)
+def test_a_measured_step_is_told_as_its_micro_steps_and_a_rest_that_is_never_below_zero(step_s, said):
+    prediction = step_time.Prediction(step_s, step_s, step_s, "measured", "this run's own CPU", 32, 0.243)
+    assert prediction.line() == f"predicted step: {step_s:.3g} s {said} (measured on this run's own CPU)"
 
 
 def work(flops, micro_steps=1.0):

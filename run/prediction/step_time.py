@@ -66,7 +66,10 @@ class Prediction:
         parts = ""
         if self.micro_step_s:
             rest = self.step_s - self.micro_steps * self.micro_step_s
-            parts = f" = {self.micro_steps} micro-steps of {self.micro_step_s:.3g} s + the rest {rest:.3g} s"
+            # the rest is the step less its micro-steps, two timings apart: under their noise it can come
+            # out below zero (the tiny model on one CPU process, its optimizer step a few ms: -0.003 s)
+            rest = f"{rest:.3g} s" if rest >= 0 else "under the timings' noise"
+            parts = f" = {self.micro_steps} micro-steps of {self.micro_step_s:.3g} s + the rest {rest}"
         where = f"measured on {self.source}" if self.basis == "measured" else f"from {self.source}"
         return f"predicted step: {self.step_s:.3g} s{parts} ({where})"
 
