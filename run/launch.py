@@ -248,8 +248,10 @@ def device_mesh(args, device_type, world_size, local_world_size):
 
 
 def already_finished(args, resume_path, total_steps, run_dir, master):
-    """A relaunch of a run that finished (its newest checkpoint is its last step, its model exported). A
-    checkpoint past the run's last step is refused: training would do nothing and export it as if done."""
+    """A relaunch of a run that finished: it resumes from its own checkpoint of its last step, its model
+    exported, whether or not the command names that checkpoint (a rewound run's command names an earlier one,
+    and goes on from the newest). A checkpoint past the run's last step is refused: training would do nothing
+    and export it as if done."""
     step = checkpoint_step(resume_path) if resume_path else 0
     if step > total_steps:
         message = (
@@ -258,7 +260,8 @@ def already_finished(args, resume_path, total_steps, run_dir, master):
         )
         fail(message) if master else exit_after_the_speaker()
     exported = os.path.isdir(os.path.join(run_dir, "final_model"))
-    finished = not args.resume_from and step == total_steps and exported
+    own = resume_path and os.path.abspath(os.path.dirname(resume_path)) == os.path.abspath(run_dir)
+    finished = bool(own) and step == total_steps and exported
     if finished and master:
         print(
             f"run {args.run_name} already finished at step {step} ({resume_path}); nothing to do. Pass "

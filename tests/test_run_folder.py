@@ -333,12 +333,15 @@ def test_a_rewound_run_sets_its_later_checkpoints_aside_and_every_relaunch_conti
             "--checkpoint_every=10", "--lr=1e-3", "--min_lr=1e-3", "--warmup_steps=2",
             "--tensorboard=False"]  # fmt: skip
     rewind = [f"--resume_from={run}/step_10", "--keep_last=1"]
-    (first, original), (rewound, again), (relaunched, continued), (plain, _) = launch_losses(
-        run,
-        lambda: train(tmp_path, *base, "--max_steps=30", nproc=0),
-        lambda: train(tmp_path, *base, *rewind, "--max_steps=15", nproc=0),  # then stopped, say
-        lambda: train(tmp_path, *base, *rewind, "--max_steps=20", nproc=0),  # the same command, requeued
-        lambda: train(tmp_path, *base, "--max_steps=21", nproc=0),
+    (first, original), (rewound, again), (relaunched, continued), (finished, no_steps), (plain, _) = (
+        launch_losses(
+            run,
+            lambda: train(tmp_path, *base, "--max_steps=30", nproc=0),
+            lambda: train(tmp_path, *base, *rewind, "--max_steps=15", nproc=0),  # then stopped, say
+            lambda: train(tmp_path, *base, *rewind, "--max_steps=20", nproc=0),  # the same command, requeued
+            lambda: train(tmp_path, *base, *rewind, "--max_steps=20", nproc=0),  # and once more, finished
+            lambda: train(tmp_path, *base, "--max_steps=21", nproc=0),
+        )
     )
     set_aside = re.search(
         rf"^rewinding run {run} to step 10: its later checkpoints \(step_20, step_30\) are set aside "
@@ -352,6 +355,9 @@ def test_a_rewound_run_sets_its_later_checkpoints_aside_and_every_relaunch_conti
     assert f"{run}/step_10: this run was rewound to it before; continuing" in relaunched.stdout
     assert f"resumed from {run}/step_15 at step 15" in relaunched.stdout
     assert continued == {step: original[step] for step in range(16, 21)}
+    said = finished.stdout.strip().splitlines()[-1]  # the same command once the run has finished
+    assert said.startswith(f"run rewind already finished at step 20 ({run}/step_20); nothing to do."), said
+    assert not no_steps and "model exported" not in finished.stdout
     assert f"resumed from {run}/step_20 at step 20" in plain.stdout
     assert sorted(p.name for p in run.glob("step_*")) == ["step_20", "step_21"]  # keep_last=3, one line
 
