@@ -139,8 +139,8 @@ def test_a_tampered_checkpoint_is_set_aside_for_the_previous_one_and_runs_nothin
 
 def test_a_relaunch_naming_a_checkpoint_set_aside_as_unusable_continues_the_run(trusted, tmp_path):
     """--resume_from names the tampered step_4: the launch sets it aside and goes on from step_2 to step 3.
-    The same command again (a requeued job) continues from the run's newest checkpoint; refused at once, it
-    would stop every requeue, as the folder it names has gone."""
+    The same command again (a requeued job) goes on from the run's newest checkpoint, its last step, so it is
+    finished; refused at once, it would stop every requeue, as the folder it names has gone."""
     folder, step, marker = attacked_copy(trusted, tmp_path, tamper_metadata)
     args = [
         f"--log_dir={folder}",
@@ -158,7 +158,8 @@ def test_a_relaunch_naming_a_checkpoint_set_aside_as_unusable_continues_the_run(
         f"{step}: an earlier launch found it unusable and set it aside; continuing from this run's newest "
         "checkpoint"
     ) in again.stdout
-    assert f"resumed from {folder}/r/step_3 at step 3" in again.stdout
+    # its newest is the run's last step: the run is finished, and says so
+    assert f"run r already finished at step 3 ({folder}/r/step_3); nothing to do." in again.stdout
     assert not marker.exists()
 
 
