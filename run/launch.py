@@ -260,8 +260,8 @@ def already_finished(args, resume_path, total_steps, run_dir, master):
         )
         fail(message) if master else exit_after_the_speaker()
     exported = os.path.isdir(os.path.join(run_dir, "final_model"))
-    own = resume_path and os.path.abspath(os.path.dirname(resume_path)) == os.path.abspath(run_dir)
-    finished = bool(own) and step == total_steps and exported
+    own = bool(resume_path) and os.path.abspath(os.path.dirname(resume_path)) == os.path.abspath(run_dir)
+    finished = own and step == total_steps and exported
     if finished and master:
         print(
             f"run {args.run_name} already finished at step {step} ({resume_path}); nothing to do. Pass "
