@@ -387,3 +387,22 @@ def test_a_node_failing_the_benchmark_is_replaced_by_a_spare_before_training(tmp
         scheduler.launches[-1][3].env["BENCHMARK_REPORT"]
         == f"logs/benchmark_42_{first_start(scheduler)}_2.yaml"
     )
+
+
+@pytest.mark.parametrize("spares, times_the_run", [(0, True), (1, False)], ids=["no spare", "a spare"])
+def test_the_benchmark_times_the_runs_step_only_on_the_nodes_it_trains_on(tmp_path, spares, times_the_run):
+    """Three nodes, the run's global batch divides over 1 or 2 ranks only. With a spare, the benchmark of all
+    three is a world training never runs at: it measures the nodes, and training times its own step (its
+    --train_args there stopped a real job: 'not divisible by batch_size x world size = 4 x 6')."""
+
+    def phases(script, nodes, process):
+        return passing_benchmark(process) if script == "benchmark.py" else 0
+
+    scheduler = FakeSlurm(tmp_path, phases)
+    scheduler.fits = lambda world: world <= 2 if spares else True
+    assert run_job(scheduler, ["--max_steps=5"], SPARE_NODES=spares) == [0]
+    benchmarks = [launch for launch in scheduler.launches if launch[1] == "benchmark.py"]
+    assert [nodes for _, _, nodes, _ in benchmarks] == [HOSTS]
+    timed = [arg for arg in benchmarks[0][3].command if arg.startswith("--train_args=")]
+    assert [arg.endswith(" --max_steps=5") for arg in timed] == [True] * times_the_run, timed
+    assert launched(scheduler)[-1] == (0, "train.py", "n1 n2" if spares else "n1 n2 n3")

@@ -178,7 +178,10 @@ class Job:
         args = [*rest, f"--report={report}", f"--outcome={outcome_path(report)}"]
         if self.run_folder:
             args.append(f"--suspects_folder={suspects.suspects_folder(self.run_folder)}")
-        if self.train_args:  # the run's own step too, timed on these nodes: its prediction is theirs
+        # The run's own step too, timed where it will train: its prediction is theirs. With the spares, the
+        # nodes make a world training never runs at (SPARE_NODES=1 on 3 nodes of 2 processes: 6 ranks for
+        # training's 4), whose global batch may not divide over it: training times its own step instead.
+        if self.train_args and len(nodes) == len(self.training):
             args.append(f"--train_args={shlex.join(self.train_args)}")
         command = [self.python, "benchmark.py", "--check_only", *args]  # on one node: a typo costs seconds
         checked = self.benchmarks_run > 1  # the same options, checked before this start's first benchmark
