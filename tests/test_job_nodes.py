@@ -391,9 +391,9 @@ def test_a_node_failing_the_benchmark_is_replaced_by_a_spare_before_training(tmp
 
 @pytest.mark.parametrize("spares, times_the_run", [(0, True), (1, False)], ids=["no spare", "a spare"])
 def test_the_benchmark_times_the_runs_step_only_on_the_nodes_it_trains_on(tmp_path, spares, times_the_run):
-    """Three nodes, the run's global batch divides over 1 or 2 ranks only. With a spare, the benchmark of all
-    three is a world training never runs at: it measures the nodes, and training times its own step (its
-    --train_args there stopped a real job: 'not divisible by batch_size x world size = 4 x 6')."""
+    """Three nodes. With a spare, training runs on two, and the run's global batch divides over 1 or 2 ranks
+    only: the benchmark of all three is a world training never runs at, so it measures the nodes and training
+    times its own step (its --train_args there stopped a real job: 'not divisible by ... = 4 x 6')."""
 
     def phases(script, nodes, process):
         return passing_benchmark(process) if script == "benchmark.py" else 0
