@@ -79,13 +79,17 @@ def test_each_knob_the_scripts_set_is_one_the_job_takes_with_its_default_stated_
     assert {name: documented.get(name) for name in KNOBS} == defaults
 
 
+# what tests/run.sh sets, so that these jobs too leave no bytecode in the checkout: not a knob
+NO_BYTECODE = {"PYTHONDONTWRITEBYTECODE": "1"}
+
+
 def test_the_job_runs_on_a_python_without_torch():
     """In a container the job runs on the host's python3, which may have none of the packages: without
     site-packages (python -S) it starts, reads its knobs and refuses the missing one."""
     result = subprocess.run(
         [sys.executable, "-S", "-m", "run.job"],
         cwd=REPO,
-        env={"PATH": os.environ["PATH"]},
+        env={"PATH": os.environ["PATH"], **NO_BYTECODE},
         capture_output=True,
         text=True,
         timeout=60,
@@ -101,7 +105,7 @@ def test_the_job_runs_with_the_knobs_slurm_submit_sh_sets(tmp_path):
     result = subprocess.run(
         ["bash", "slurm_submit.sh", "--batch_sise=4", f"--log_dir={tmp_path}"],
         cwd=REPO,
-        env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/")},
+        env={"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), **NO_BYTECODE},
         capture_output=True,
         text=True,
         timeout=120,
