@@ -310,7 +310,7 @@ def ready(run, stop_requests):
     args, master, folders, total_steps = run.args, run.rank == 0, run.folders, run.total_steps
     checkpointer = Checkpointer(args, run.shape, run.rank, run.world_size, count_parameters(run.meta_model))
     resume_path = checkpointer.choose(args.resume_from, run.meta_model)  # the newest usable checkpoint
-    if launch.already_finished(args, resume_path, total_steps, folders.run_dir, master):
+    if launch.already_finished(args, resume_path, total_steps, checkpointer, master):
         return None
     benchmark_s = goodput.benchmark_seconds(master)  # the job's benchmarks, before this launch
     ledger = goodput.Ledger(folders.log_folder, goodput.launch_start(), benchmark_s, master)

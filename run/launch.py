@@ -247,7 +247,7 @@ def device_mesh(args, device_type, world_size, local_world_size):
     return init_device_mesh(device_type, (world_size,))
 
 
-def already_finished(args, resume_path, total_steps, run_dir, master):
+def already_finished(args, resume_path, total_steps, checkpointer, master):
     """A relaunch of a run that finished: it resumes from its own checkpoint of its last step, its model
     exported, whether or not the command names that checkpoint (a rewound run's command names an earlier one,
     and goes on from the newest). A checkpoint past the run's last step is refused: training would do nothing
@@ -259,8 +259,8 @@ def already_finished(args, resume_path, total_steps, run_dir, master):
             f"--max_steps to go on, or rewind with --resume_from=<an earlier step_N>"
         )
         fail(message) if master else exit_after_the_speaker()
-    exported = os.path.isdir(os.path.join(run_dir, "final_model"))
-    own = bool(resume_path) and os.path.abspath(os.path.dirname(resume_path)) == os.path.abspath(run_dir)
+    exported = os.path.isdir(os.path.join(checkpointer.run_dir, "final_model"))
+    own = bool(resume_path) and checkpointer.of_this_run(resume_path)
     finished = own and step == total_steps and exported
     if finished and master:
         print(
